@@ -1,0 +1,420 @@
+"""The typed run configuration: dataclasses, a YAML file plus dotted overrides, validation.
+
+``load_config("configs/demo.yaml", ["optim.lr=3e-4", "train.steps=200"])`` returns a ``RunConfig``.
+Unknown keys and values of the wrong type raise ``UserError`` with one line naming the key and the
+closest valid key. ``dump_config`` writes the resolved config (what ``RUN_DIR/config.yaml`` holds).
+Each component receives only its own section (``cfg.train``, ``cfg.data``...), never the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from podtrain.errors import UserError
+
+
+@dataclass
+class RunSection:
+    """Where the run lives and what makes it reproducible."""
+
+    dir: str = "runs/demo"
+    """Run directory: config.yaml, metrics.jsonl, ckpt/, logs/, debug/ go here (shared by nodes)."""
+    seed: int = 1234
+    """Seed for model init (same on every rank) and data order."""
+    name: str = ""
+    """Free-form label written into metrics; empty means the run directory's name."""
+
+
+@dataclass
+class ModelSection:
+    """Which architecture to pre-train (random init)."""
+
+    preset: str = "tiny"
+    """A preset (tiny, gpt2-124m, qwen2.5-0.5b, llama-1b, llama-8b) or a path to a config.json."""
+    vocab_size: int | None = None
+    """Vocabulary size; null takes the tokenizer's from the data manifest, rounded up to 64."""
+    attn_implementation: str = "sdpa"
+    """transformers attention kernel: sdpa, eager, or flash_attention_2 where installed."""
+    memory_check: str = "error"
+    """When params + grads + AdamW state cannot fit one device: error, warn, or off."""
+
+
+@dataclass
+class DataSection:
+    """Token shards and how samples are cut from them."""
+
+    path: str = "data/builtin"
+    """Directory made by ``podtrain prepare`` (holds manifest.json)."""
+    seq_len: int = 256
+    """Tokens per training sequence (each sample reads seq_len + 1 tokens: inputs and targets)."""
+    prefetch: int = 4
+    """Batches the background loader keeps ready ahead of the step."""
+    num_workers: int = 0
+    """Worker processes building batches; 0 uses one background thread (enough for memmaps)."""
+
+
+@dataclass
+class TrainSection:
+    """The optimisation loop."""
+
+    steps: int = 300
+    """Optimizer steps to run (the LR schedule ends here)."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step across all ranks; accumulation = global / (micro x world)."""
+    precision: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), fp32, bf16, or fp16 (with a GradScaler)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    compile: bool = False
+    """Wrap the DDP model in torch.compile."""
+
+
+@dataclass
+class OptimSection:
+    """AdamW and the learning-rate schedule (linear warmup, then cosine decay)."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms, biases, embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    implementation: str = "auto"
+    """fused, foreach, or auto (fused where supported, else foreach)."""
+
+
+@dataclass
+class EvalSection:
+    """Validation loss on the held-out split."""
+
+    every: int = 100
+    """Evaluate every N steps and at the end; 0 disables evaluation."""
+    max_batches: int = 20
+    """Micro-batches per rank per evaluation (bounded so evaluation stays cheap)."""
+
+
+@dataclass
+class CkptSection:
+    """Checkpoints under RUN_DIR/ckpt/ (rank 0 writes, every rank reads)."""
+
+    every: int = 100
+    """Save every N steps and at the end; 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep the newest K checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of N, forever; 0 disables."""
+    async_save: bool = True
+    """Write in a background thread: the step loop only pays for a copy to host memory."""
+    format: str = "safetensors"
+    """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks)."""
+    resume: str = "auto"
+    """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that trigger checkpoint-and-exit at the next step boundary."""
+    grace_s: float = 120.0
+    """Seconds the scheduler allows between the signal and SIGKILL; the save time is logged
+    against it."""
+
+
+@dataclass
+class LogSection:
+    """Metrics and console output."""
+
+    every: int = 10
+    """Write one metrics.jsonl line (and read losses back from the device) every N steps."""
+    progress: str = "auto"
+    """auto (rich bar in a terminal, plain lines otherwise), rich, plain, or off."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; null looks it up (GPU) or measures it once (CPU)."""
+    sample_tokens: int = 0
+    """After training, rank 0 prints this many generated tokens; 0 skips."""
+    sample_prompt: str = "def "
+    """Prompt of the sample printed after training."""
+
+
+@dataclass
+class DistSection:
+    """Process group and DistributedDataParallel knobs."""
+
+    backend: str = "auto"
+    """auto (nccl with CUDA, else gloo), nccl, or gloo."""
+    timeout_s: float = 600.0
+    """Steady-state collective timeout, and the watchdog's no-progress limit."""
+    init_timeout_s: float = 1200.0
+    """Timeout for rendezvous, start-up and the first step (compilation, cold file systems)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size: buckets are all-reduced while backward continues."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the AllReduce buckets (saves one copy and the memory of one gradient)."""
+    static_graph: bool = False
+    """Tell DDP the graph never changes (enables extra overlap; breaks with conditional code)."""
+    find_unused_parameters: bool = False
+    """Let DDP search for parameters without gradients each step (slow; off unless needed)."""
+    threads_per_rank: int | None = None
+    """CPU threads per rank; null gives each rank an equal share of the cores."""
+
+
+@dataclass
+class MonitorSection:
+    """Straggler reports and the hang watchdog."""
+
+    straggler_every: int = 50
+    """Every N steps all ranks share their step and data-wait times; 0 disables."""
+    straggler_threshold: float = 0.2
+    """Report the slowest rank when it exceeds the median step time by this fraction."""
+    watchdog: bool = True
+    """Dump stacks and recent collectives to RUN_DIR/debug/ and exit when no step completes
+    within dist.timeout_s (dist.init_timeout_s before the first step)."""
+
+
+@dataclass
+class RunConfig:
+    """The whole configuration of one training run."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    ckpt: CkptSection = field(default_factory=CkptSection)
+    log: LogSection = field(default_factory=LogSection)
+    dist: DistSection = field(default_factory=DistSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+
+
+# Allowed values of string keys that act as enums, checked at load time.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "train.precision": ("auto", "fp32", "bf16", "fp16"),
+    "optim.implementation": ("auto", "fused", "foreach"),
+    "log.progress": ("auto", "rich", "plain", "off"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "ckpt.format": ("safetensors", "dcp"),
+    "model.memory_check": ("error", "warn", "off"),
+}
+
+
+def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree (``optim.lr``, ``train.steps``, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        ftype = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(ftype):
+            keys.extend(all_keys(ftype, f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML file (or start from defaults when ``path`` is None) and apply ``key=value``s."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise UserError(f"config file {p}{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config file {p}: top level must be a mapping of sections")
+    flat = _flatten(raw, source=str(path) if path else "defaults")
+    for item in overrides:
+        key, value = parse_override(item)
+        flat[key] = value
+    cfg = RunConfig()
+    for key, value in flat.items():
+        _set(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``section.key=value``; the value is parsed as YAML (``3e-4``, ``true``, ``[a, b]``)."""
+    if "=" not in item:
+        raise UserError(f"override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _flatten(raw: dict, source: str, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in raw.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key.count(".") == 0 and not prefix:
+            flat.update(_flatten(v, source, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def _closest(key: str) -> str:
+    """The valid key a typo most likely meant: the same leaf in another section first
+    ("train.lr" -> "optim.lr"), then the nearest spelling."""
+    keys = all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
+    return match[0] if match else ""
+
+
+def _set(cfg: RunConfig, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+    section_name, leaf = parts
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+    types_ = _field_types(type(section))
+    if leaf not in types_:
+        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+    setattr(section, leaf, _coerce(key, value, types_[leaf]))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, ftype: Any) -> Any:
+    """Check ``value`` against the field type; allow the safe widenings (int -> float)."""
+    origin = typing.get_origin(ftype)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(ftype)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        (item_type,) = typing.get_args(ftype)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise UserError(f"config key {key!r} expects a list, got {value!r}")
+        return [_coerce(key, v, item_type) for v in value]
+    if ftype is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"config key {key!r} expects true or false, got {value!r}")
+    if ftype is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UserError(f"config key {key!r} expects an integer, got {value!r}")
+    if ftype is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "3e-4" as a string
+            except ValueError:
+                pass
+        raise UserError(f"config key {key!r} expects a number, got {value!r}")
+    if ftype is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"config key {key!r} expects a string, got {value!r}")
+    return value
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that need no processes (the world size is checked by ``accumulation``)."""
+    for key, choices in CHOICES.items():
+        section, leaf = key.split(".")
+        value = getattr(getattr(cfg, section), leaf)
+        if value not in choices:
+            raise UserError(f"config key {key!r} must be one of {', '.join(choices)}, got {value!r}")
+    positive = {
+        "train.steps": cfg.train.steps, "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.global_batch_size": cfg.train.global_batch_size, "data.seq_len": cfg.data.seq_len,
+        "log.every": cfg.log.every, "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s, "data.prefetch": cfg.data.prefetch,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"config key {key!r} must be positive, got {value}")
+    non_negative = {
+        "eval.every": cfg.eval.every, "ckpt.every": cfg.ckpt.every, "optim.lr": cfg.optim.lr,
+        "optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
+        "train.grad_clip": cfg.train.grad_clip, "ckpt.keep_every": cfg.ckpt.keep_every,
+        "data.num_workers": cfg.data.num_workers, "monitor.straggler_every": cfg.monitor.straggler_every,
+        "optim.weight_decay": cfg.optim.weight_decay, "log.sample_tokens": cfg.log.sample_tokens,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UserError(f"config key {key!r} must not be negative, got {value}")
+    if cfg.ckpt.keep_last < 1:
+        raise UserError(f"config key 'ckpt.keep_last' must be at least 1, got {cfg.ckpt.keep_last}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise UserError(f"config key 'optim.min_lr' ({cfg.optim.min_lr}) exceeds 'optim.lr' ({cfg.optim.lr})")
+    if cfg.train.global_batch_size % cfg.train.micro_batch_size:
+        raise UserError(
+            f"config key 'train.global_batch_size' ({cfg.train.global_batch_size}) is not a multiple of "
+            f"'train.micro_batch_size' ({cfg.train.micro_batch_size})")
+    import signal as _signal
+
+    for name in cfg.ckpt.signals:
+        if not hasattr(_signal, name):
+            raise UserError(f"config key 'ckpt.signals' names an unknown signal {name!r}")
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank: global / (micro x world), which must divide."""
+    per_step = micro_batch * world_size
+    if global_batch % per_step:
+        raise UserError(
+            f"train.global_batch_size={global_batch} is not divisible by train.micro_batch_size x "
+            f"world size = {micro_batch} x {world_size} = {per_step}; choose a global batch that is "
+            f"a multiple of {per_step}")
+    return global_batch // per_step
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The config as plain data (YAML/JSON-ready)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Rebuild a config from ``to_dict`` output (e.g. a checkpoint's copy), with validation."""
+    cfg = RunConfig()
+    for key, value in _flatten(data, source="dict").items():
+        _set(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (temporary name, fsync, rename)."""
+    from podtrain.fsutil import atomic_write_text
+
+    atomic_write_text(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,206 @@
+"""The process group: backend and device choice, init/teardown, timeouts, small collective helpers.
+
+This is the only module that names a concrete backend or device type. Everything else asks the
+``DistContext`` for ``ctx.device`` and ``ctx.backend``, so the CPU/gloo path the tests run is the
+same code as the GPU/NCCL path on a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from podtrain.dist.env import ClusterEnv
+from podtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def resolve_backend(requested: str, cuda_available: bool | None = None) -> str:
+    """``auto`` becomes nccl when CUDA is available and gloo otherwise; explicit choices stay."""
+    if requested not in BACKENDS:
+        raise UserError(f"dist.backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    if requested == "nccl" and not cuda:
+        raise UserError("dist.backend=nccl needs CUDA GPUs, and none is visible; use gloo or auto")
+    return requested
+
+
+def resolve_device(backend: str, local_rank: int) -> torch.device:
+    """The device this rank computes on: its own GPU (by local rank) under CUDA, else the CPU."""
+    if backend == "nccl" or (backend == "gloo" and torch.cuda.is_available()):
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise UserError(
+                f"LOCAL_RANK={local_rank} but this node has {count} GPU(s): "
+                "--nproc-per-node is larger than the GPUs per node")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclass
+class DistContext:
+    """What a rank knows about the job once the process group is up.
+
+    Attributes:
+        env: launcher facts (ranks, sizes, host).
+        backend: "nccl" or "gloo".
+        device: the device this rank computes on.
+        initialized: whether a torch.distributed process group exists (world size > 1).
+    """
+
+    env: ClusterEnv
+    backend: str
+    device: torch.device
+    initialized: bool
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.env.rank == 0
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when this rank computes on a GPU."""
+        return self.device.type == "cuda"
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op for one process)."""
+        if self.initialized:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place across ranks and return it."""
+        if self.initialized:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise max of ``tensor`` in place across ranks and return it."""
+        if self.initialized:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank: how a decision made by one rank reaches all."""
+        if not self.initialized:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.initialized:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on at least one (one small all_reduce)."""
+        if not self.initialized:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change the collective timeout of the default group (e.g. start-up to steady state)."""
+        if self.initialized:
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+@contextlib.contextmanager
+def process_group(
+    env: ClusterEnv | None = None,
+    backend: str = "auto",
+    init_timeout_s: float = 600.0,
+    timeout_s: float = 1800.0,
+) -> Iterator[DistContext]:
+    """Set up the device and process group for this rank; tear it down on every exit path.
+
+    The device is bound from LOCAL_RANK *before* the group is created (NCCL picks the current
+    device). ``init_timeout_s`` bounds the rendezvous and the first collectives (start-up can be
+    slow on a big cluster); ``timeout_s`` is the steady-state collective timeout switched to by
+    ``DistContext.set_timeout`` once the first step completes.
+    """
+    env = env or ClusterEnv.detect()
+    name = resolve_backend(backend)
+    device = resolve_device(name, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    initialized = False
+    if env.world_size > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=init_timeout_s)
+        if env.launcher == "torchrun":
+            # torchrun hosts the store; env:// joins it instead of starting a second one.
+            dist.init_process_group(name, init_method="env://", timeout=timeout,
+                                    rank=env.rank, world_size=env.world_size)
+        else:
+            dist.init_process_group(
+                name, init_method=f"tcp://{_bracket_ipv6(env.master_addr)}:{env.master_port}",
+                rank=env.rank, world_size=env.world_size, timeout=timeout)
+        initialized = True
+    ctx = DistContext(env=env, backend=name, device=device,
+                      initialized=initialized or dist.is_initialized())
+    try:
+        yield ctx
+    finally:
+        if initialized:
+            teardown()
+
+
+def teardown() -> None:
+    """Destroy the default process group, collecting garbage first.
+
+    DDP's reducer can deadlock at interpreter exit while joining a gloo thread (MACHINE-NOTES);
+    callers delete their DDP module before leaving the context, and collecting here makes sure the
+    reducer is gone before the group it uses.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # teardown must never mask the error that brought us here
+            log.warning("destroy_process_group failed: %s", exc)
+
+
+def _bracket_ipv6(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def cap_cpu_threads(local_world_size: int, requested: int | None = None) -> int:
+    """Give each rank its share of the CPU cores so ranks do not oversubscribe them.
+
+    torchrun sets OMP_NUM_THREADS=1 on its own; a plain srun or a test does not.
+    """
+    import os
+
+    if requested is None:
+        requested = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(requested)
+    return requested
