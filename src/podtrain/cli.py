@@ -1,0 +1,83 @@
+"""The ``podtrain`` command: the only place that reads argv.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
+``run(args) -> int``. Only the chosen module is imported, so ``podtrain launch slurm`` does not pay
+for importing transformers. A ``UserError`` anywhere becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from podtrain import __version__
+from podtrain.errors import UserError
+
+# command path -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("prepare",): ("podtrain.data.prepare", "tokenize a corpus into shards + manifest.json"),
+    ("train",): ("podtrain.train.loop", "train (each rank runs this under torchrun or srun)"),
+    ("launch", "local"): ("podtrain.launch.local", "run torchrun on this machine"),
+    ("launch", "slurm"): ("podtrain.launch.slurm", "write (and submit) a Slurm batch script"),
+    ("launch", "k8s"): ("podtrain.launch.k8s", "write a Kubernetes PyTorchJob manifest"),
+    ("sample",): ("podtrain.sample", "generate text from a run's latest weights"),
+    ("export",): ("podtrain.export", "write a Hugging Face model folder from a run"),
+    ("bench", "collectives"): ("podtrain.tools.collectives", "measure collectives' bandwidth"),
+    ("doctor",): ("podtrain.tools.doctor", "preflight checks of a cluster before a long run"),
+}
+
+
+def _usage() -> str:
+    lines = [f"podtrain {__version__}: pre-train language models with PyTorch DDP", "", "commands:"]
+    for path, (_, help_) in COMMANDS.items():
+        lines.append(f"  podtrain {' '.join(path):<18} {help_}")
+    lines.append("")
+    lines.append("`podtrain COMMAND --help` shows a command's options.")
+    return "\n".join(lines)
+
+
+def _find_command(argv: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
+    for length in (2, 1):
+        path = tuple(argv[:length])
+        if path in COMMANDS:
+            return path, argv[length:]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"podtrain {__version__}")
+        return 0
+    found = _find_command(argv)
+    if found is None:
+        groups = sorted({p[0] for p in COMMANDS if len(p) == 2})
+        if argv[0] in groups:
+            subs = ", ".join(p[1] for p in COMMANDS if p[0] == argv[0])
+            print(f"podtrain: error: `podtrain {argv[0]}` needs one of: {subs}", file=sys.stderr)
+        else:
+            print(f"podtrain: error: unknown command {argv[0]!r} (see `podtrain --help`)", file=sys.stderr)
+        return 2
+    path, rest = found
+    module_name, help_ = COMMANDS[path]
+    try:
+        module = importlib.import_module(module_name)
+        parser = argparse.ArgumentParser(prog=f"podtrain {' '.join(path)}", description=help_)
+        module.add_arguments(parser)
+        args = parser.parse_args(rest)
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        print(f"podtrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("podtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: corpora to token shards (prepare), shards to per-rank batches (loader)."""

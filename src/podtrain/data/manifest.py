@@ -1,0 +1,108 @@
+"""``manifest.json``: what ``podtrain prepare`` made and what the loader trusts.
+
+Layout of a data directory::
+
+    DATA_DIR/manifest.json        written last (its presence means the directory is complete)
+    DATA_DIR/train_00000.bin ...  raw little-endian token ids (dtype below), documents separated by EOS
+    DATA_DIR/val_00000.bin ...
+    DATA_DIR/tokenizer/           tokenizer files (BPE or HF tokenizers; empty for byte-level)
+
+The manifest (JSON)::
+
+    {"format": "podtrain-shards/1",
+     "tokenizer": {"kind": "byte"|"bpe"|"hf", "name": str, "vocab_size": int, "eos_id": int,
+                   "files": ["tokenizer/tokenizer.json", ...], "sha256": str},
+     "dtype": "uint16"|"uint32",
+     "splits": {"train": {"tokens": int, "documents": int,
+                          "shards": [{"file": str, "tokens": int, "documents": int, "sha256": str}]},
+                "val": {...}},
+     "val_fraction": float, "sources": [...], "errors": {"replaced": int, "skipped": int}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from podtrain.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "podtrain-shards/1"
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One binary file of token ids."""
+
+    path: Path
+    tokens: int
+    documents: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, checked manifest of a data directory."""
+
+    root: Path
+    raw: dict[str, Any]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of the shards."""
+        return np.dtype(DTYPES[self.raw["dtype"]])
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokenizer vocabulary size (ids are < this)."""
+        return int(self.raw["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        """The id that separates documents."""
+        return int(self.raw["tokenizer"]["eos_id"])
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        """The tokenizer's identity: kind, name, vocab_size, eos_id, files, sha256."""
+        return self.raw["tokenizer"]
+
+    def splits(self) -> list[str]:
+        """Names of the splits present (train, val)."""
+        return list(self.raw["splits"])
+
+    def shards(self, split: str) -> list[Shard]:
+        """Shards of ``split``; a missing split is a user error naming the directory."""
+        if split not in self.raw["splits"]:
+            raise UserError(f"{self.root / MANIFEST_NAME}: no {split!r} split "
+                            f"(has {', '.join(self.splits()) or 'none'})")
+        return [Shard(self.root / s["file"], int(s["tokens"]), int(s["documents"]), s["sha256"])
+                for s in self.raw["splits"][split]["shards"]]
+
+
+def read_manifest(data_dir: str | Path) -> Manifest:
+    """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error."""
+    root = Path(data_dir)
+    path = root / MANIFEST_NAME
+    if not root.exists():
+        raise UserError(f"data directory {root} does not exist (run `podtrain prepare ... --out {root}`)")
+    if not path.is_file():
+        raise UserError(f"{path} is missing: {root} is not a finished `podtrain prepare` output")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown format {raw.get('format') if isinstance(raw, dict) else None!r}, "
+                        f"expected {FORMAT!r}")
+    for key in ("tokenizer", "dtype", "splits"):
+        if key not in raw:
+            raise UserError(f"{path}: missing key {key!r}")
+    if raw["dtype"] not in DTYPES:
+        raise UserError(f"{path}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
+    return Manifest(root=root, raw=raw)
