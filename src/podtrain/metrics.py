@@ -1,0 +1,173 @@
+"""Honest throughput numbers: tokens/s, MFU, memory; metrics.jsonl and the rank-0 console.
+
+MFU (model FLOPs utilisation) = achieved training FLOP/s per device / peak FLOP/s per device, with
+FLOPs per token from ``podtrain.model.model_size`` (6 x matmul params + 12 x layers x hidden x
+seq_len). The peak comes from ``log.peak_flops`` when set; else from a dtype-aware table of GPUs
+(dense, no sparsity); on CPU it is measured once at start-up with an fp32 matmul on the rank's own
+threads. When none applies, MFU is null rather than a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("podtrain")
+
+# Dense peak FLOP/s per device by (name fragment, precision). fp32 means plain FP32 (no TF32).
+PEAK_FLOPS: dict[tuple[str, str], float] = {
+    ("B200", "bf16"): 2.25e15, ("B200", "fp16"): 2.25e15, ("B200", "fp32"): 80e12,
+    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
+    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,
+    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
+    ("L40S", "bf16"): 362e12, ("L40S", "fp16"): 362e12, ("L40S", "fp32"): 91.6e12,
+    ("L4", "bf16"): 121e12, ("L4", "fp16"): 121e12, ("L4", "fp32"): 30.3e12,
+    ("A10G", "bf16"): 70e12, ("A10G", "fp16"): 70e12, ("A10G", "fp32"): 31.2e12,
+}
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> float | None:
+    """Table lookup by device name (e.g. "NVIDIA H100 80GB HBM3") and precision, or None."""
+    for (fragment, prec), flops in PEAK_FLOPS.items():
+        if fragment in device_name and prec == precision:
+            return flops
+    return None
+
+
+def measure_cpu_matmul_flops(seconds: float = 0.3, n: int = 512) -> float:
+    """fp32 matmul FLOP/s of this process with its current thread count (the CPU 'peak')."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm up kernels and caches
+    count, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        torch.mm(a, b)
+        count += 1
+    return 2.0 * n**3 * count / elapsed
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """Peak FLOP/s of one device for MFU: the override, the GPU table, or a CPU measurement."""
+    if override:
+        return float(override)
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+    if device.type == "cpu" and precision == "fp32":
+        return measure_cpu_matmul_flops()
+    return None
+
+
+def max_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocator peak on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    return int(rss_kib) * 1024
+
+
+def device_memory_bytes(device: torch.device, local_world_size: int) -> int | None:
+    """Memory one rank may use: its GPU's, or this host's RAM shared by the local ranks."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return total // max(1, local_world_size)
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl (rank 0 only).
+
+    Each line is flushed and fsynced on its own so a killed run keeps every interval it logged.
+    """
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+        self._fh = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (rank 0; a no-op elsewhere)."""
+        if self._fh is None:
+            return
+        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Progress:
+    """Rank 0's console: a rich progress bar in a terminal, plain log lines otherwise."""
+
+    def __init__(self, mode: str, total_steps: int, start_step: int, enabled: bool):
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode = mode if enabled else "off"
+        self._bar = None
+        if self.mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
+            self._bar.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Show one interval's record."""
+        text = format_record(record)
+        if self.mode == "rich":
+            self._bar.update(self._task, completed=record["step"], info=text)
+        elif self.mode == "plain":
+            log.info("step %d %s", record["step"], text)
+
+    def note(self, message: str) -> None:
+        """A line printed above the bar (evaluation results, checkpoints)."""
+        if self.mode == "rich":
+            self._bar.console.print(message)
+        elif self.mode == "plain":
+            log.info("%s", message)
+
+    def close(self) -> None:
+        """Stop the bar."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def format_record(r: dict[str, Any]) -> str:
+    """The one-line human summary of a metrics record."""
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+    return (f"loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | step {1000 * r['step_time_s']:.0f} ms | "
+            f"data wait {1000 * r['data_wait_s']:.1f} ms")
+
+
+def setup_logging(rank: int) -> None:
+    """INFO from global rank 0; WARNING and above from the others, prefixed with their rank."""
+    prefix = "podtrain" if rank == 0 else f"podtrain rank {rank}"
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{prefix}] %(levelname)s %(message)s"
+                                           if rank else f"[{prefix}] %(message)s"))
+    root = logging.getLogger("podtrain")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.propagate = False
+    # transformers' and torch's chatter stays out of the run's log unless it is a real problem.
+    logging.getLogger("transformers").setLevel(logging.ERROR)

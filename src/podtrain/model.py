@@ -1,0 +1,177 @@
+"""Model presets -> transformers config -> randomly initialised causal LM; sizes and FLOPs.
+
+Pre-training starts from random weights, so nothing is downloaded: a preset is a set of
+architecture numbers, or a local ``config.json`` (e.g. copied from a hub model folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from podtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Architecture numbers. vocab_size here is the preset's own; a run replaces it with its
+# tokenizer's (config model.vocab_size, default: the data manifest's, rounded up to 64).
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~2M parameters with a byte-level vocabulary: the CPU demo and the tests.
+    "tiny": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, vocab_size=320),
+    # GPT-2 small (124M with its 50257-token vocabulary).
+    "gpt2-124m": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+                      vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # The public Qwen2.5-0.5B config.json's architecture numbers.
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         tie_word_embeddings=True, vocab_size=151936, use_sliding_window=False,
+                         hidden_act="silu"),
+    # Llama 3.2 1B's architecture numbers (without its long-context RoPE scaling).
+    "llama-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     tie_word_embeddings=True, vocab_size=128256, head_dim=64),
+    # Llama 3.1 8B's architecture numbers.
+    "llama-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     tie_word_embeddings=False, vocab_size=128256),
+}
+
+# AdamW training state per parameter in bytes: fp32 weights (4) + fp32 grads (4) + exp_avg (4)
+# + exp_avg_sq (4). Mixed precision keeps fp32 master weights, so it is the same under bf16.
+TRAIN_BYTES_PER_PARAM = 16
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple (vocabularies padded to 64 for faster matmuls)."""
+    return -(-value // multiple) * multiple
+
+
+def preset_config(preset: str, vocab_size: int | None = None) -> Any:
+    """A transformers ``PretrainedConfig`` for a preset name or a local config.json path."""
+    from transformers import AutoConfig
+
+    if preset in PRESETS:
+        numbers = dict(PRESETS[preset])
+        model_type = numbers.pop("model_type")
+        config = AutoConfig.for_model(model_type, **numbers)
+    else:
+        path = Path(preset)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"model.preset {preset!r} is neither a preset "
+                            f"({', '.join(PRESETS)}) nor an existing config.json")
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (ValueError, OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"model.preset {path}: not a transformers config ({exc})") from None
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    config.use_cache = False  # training never reuses the KV cache
+    return config
+
+
+def build_model(config: Any, attn_implementation: str = "sdpa", seed: int | None = None) -> nn.Module:
+    """A randomly initialised causal LM (fp32 master weights) from a transformers config.
+
+    With ``seed`` the initialisation is a pure function of it, so every rank builds the same
+    weights (DDP also broadcasts rank 0's, and ``check_replicas_identical`` verifies it).
+    """
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32)
+    except (ValueError, ImportError) as exc:
+        raise UserError(f"model.attn_implementation={attn_implementation!r}: {exc}") from None
+    return model
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts and per-token FLOPs of a model at a given sequence length."""
+
+    params: int
+    """All trainable parameters (tied weights counted once)."""
+    embedding_params: int
+    """Input-embedding parameters (lookups cost no matmul FLOPs)."""
+    matmul_params: int
+    """Parameters that take part in a matmul per token: all but the input embedding, plus the
+    LM head when it is tied to the embedding."""
+    flops_per_token: float
+    """Training FLOPs per token: 6 x matmul_params + 12 x layers x hidden x seq_len (attention
+    scores and values, forward + backward), the PaLM / nanoGPT accounting."""
+
+
+def model_size(model: nn.Module, config: Any, seq_len: int) -> ModelSize:
+    """Count parameters and FLOPs per token (documented in ``ModelSize``)."""
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    embedding = emb.numel()
+    tied = getattr(config, "tie_word_embeddings", False)
+    matmul = params - embedding + (embedding if tied else 0)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    flops = 6.0 * matmul + 12.0 * layers * hidden * seq_len
+    return ModelSize(params=params, embedding_params=embedding, matmul_params=matmul,
+                     flops_per_token=flops)
+
+
+def estimate_params(config: Any) -> int:
+    """Parameter count without building the model (meta device), for the memory check."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_fits(params: int, device_bytes: int | None, where: str, policy: str = "error") -> str | None:
+    """Refuse (or warn) when params + grads + AdamW state cannot fit one device.
+
+    DDP replicates the whole training state on every rank, so one device must hold
+    ~16 bytes/param before any activation. Returns the warning text, or None when it fits.
+    """
+    if policy == "off" or not device_bytes:
+        return None
+    need = params * TRAIN_BYTES_PER_PARAM
+    if need <= 0.9 * device_bytes:
+        return None
+    msg = (f"model has {params / 1e9:.2f}B parameters: weights + grads + AdamW state need "
+           f"~{need / 2**30:.1f} GiB per rank, more than {where} holds ({device_bytes / 2**30:.1f} GiB). "
+           "DDP replicates all of it on every rank: use FSDP (torch.distributed.fsdp) to shard it, "
+           "or a smaller model.preset")
+    if policy == "error":
+        raise UserError(msg + " (model.memory_check=warn to try anyway)")
+    log.warning(msg)
+    return msg
+
+
+def parameter_fingerprint(model: nn.Module) -> torch.Tensor:
+    """A float64 vector of per-parameter sums: cheap to all-gather, different if any replica differs."""
+    with torch.no_grad():
+        return torch.stack([p.detach().double().sum() for p in model.parameters()])
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and/or torch.compile wrappers (for saving and sampling)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, the step, evaluation, the loop."""

@@ -1,0 +1,395 @@
+"""``podtrain train CONFIG [k=v ...]``: the readable DDP loop every rank runs.
+
+``Trainer.run`` is the textbook loop on one screen: batch -> step -> log -> eval -> checkpoint,
+with the stop signal agreed by all ranks at each step boundary. The work lives in ``setup`` (model,
+DDP, optimizer, data, resume) and in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from podtrain import __version__
+from podtrain.config import RunConfig, accumulation_steps, dump_config, load_config, to_dict
+from podtrain.data.loader import SampleIndex, ShardedLoader, check_token_range
+from podtrain.data.manifest import read_manifest
+from podtrain.dist.env import ClusterEnv
+from podtrain.dist.group import DistContext, cap_cpu_threads, process_group
+from podtrain.errors import UserError
+from podtrain.metrics import (MetricsWriter, Progress, device_memory_bytes, max_memory_bytes,
+                              peak_flops, setup_logging)
+from podtrain.model import (build_model, check_fits, model_size, parameter_fingerprint,
+                            preset_config, round_up)
+from podtrain.train.evaluate import evaluate
+from podtrain.train.optim import build_optimizer, lr_at, set_lr
+from podtrain.train.precision import resolve_precision
+from podtrain.train.step import Stepper
+
+log = logging.getLogger("podtrain")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``podtrain train CONFIG [section.key=value ...]``."""
+    parser.add_argument("config", help="YAML config file (see configs/demo.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: load and validate the config, then train on this rank."""
+    cfg = load_config(args.config, args.overrides)
+    return train(cfg).exit_code
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run reports back to its caller.
+
+    Attributes:
+        step: optimizer steps completed.
+        exit_code: 0 when finished, the requeue code when stopped by a signal.
+        final_loss: last logged training loss (token-weighted over ranks), or None.
+        val_loss: last validation loss, or None.
+        records: metrics records written (rank 0) or computed (other ranks' copies are empty).
+    """
+
+    step: int
+    exit_code: int = 0
+    final_loss: float | None = None
+    val_loss: float | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
+    """Train with ``cfg`` on this rank; every rank of the job calls this."""
+    env = env or ClusterEnv.detect()
+    setup_logging(env.rank)
+    cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
+    with process_group(env, cfg.dist.backend, cfg.dist.init_timeout_s, cfg.dist.timeout_s) as ctx:
+        trainer = Trainer(cfg, ctx)
+        try:
+            trainer.setup()
+            return trainer.run()
+        finally:
+            trainer.close()
+
+
+class Trainer:
+    """One rank's training state; see ``run`` for the loop."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.run_dir = Path(cfg.run.dir)
+        self.step = 0
+        self.tokens_seen = 0
+        self.run_id = uuid.uuid4().hex[:12]
+        self.loader: ShardedLoader | None = None
+        self.ddp: DDP | None = None
+        self.checkpointer = None
+        self.watchdog = None
+        self.stop_signal = None
+        self.metrics: MetricsWriter | None = None
+        self.progress: Progress | None = None
+        self.result = TrainResult(step=0)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Model, DDP, optimizer, data, checkpoint restore: everything before the first step."""
+        cfg, ctx = self.cfg, self.ctx
+        manifest = read_manifest(cfg.data.path)
+        vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
+        check_token_range(manifest, vocab)
+        config = preset_config(cfg.model.preset, vocab)
+        self.model_config = config
+        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                        ctx.world_size)
+        self._check_memory(config)
+        self.precision = resolve_precision(cfg.train.precision, ctx.device)
+
+        model = build_model(config, cfg.model.attn_implementation, seed=cfg.run.seed).to(ctx.device)
+        self.model = model
+        self.size = model_size(model, config, cfg.data.seq_len)
+        if not cfg.dist.find_unused_parameters:
+            self._check_all_parameters_used(model)
+        self._check_replicas(model, before_ddp=True)
+        self.optimizer = build_optimizer(model, cfg.optim, ctx.device)
+        self.stepper_model = self._wrap(model)
+        self._check_replicas(model, before_ddp=False)
+
+        self.loader = ShardedLoader(
+            cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=manifest)
+        self.val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
+                          if cfg.eval.every and "val" in manifest.splits() else None)
+        self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
+                               cfg.train.grad_clip, ctx.world_size,
+                               cfg.train.global_batch_size * cfg.data.seq_len, ctx.device)
+
+        self._setup_checkpoints()
+        self._setup_monitoring()
+        if ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
+        self._log_start()
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DDP around the model (one process: no wrapper), then torch.compile when asked."""
+        dcfg = self.cfg.dist
+        wrapped: torch.nn.Module = model
+        if self.ctx.initialized:
+            self.ddp = DDP(model, device_ids=[self.ctx.device.index] if self.ctx.is_cuda else None,
+                           bucket_cap_mb=dcfg.bucket_cap_mb,
+                           gradient_as_bucket_view=dcfg.gradient_as_bucket_view,
+                           static_graph=dcfg.static_graph,
+                           find_unused_parameters=dcfg.find_unused_parameters)
+            wrapped = self.ddp
+            self._register_comm_hook()
+        if self.cfg.train.compile:
+            wrapped = torch.compile(wrapped)
+        return wrapped
+
+    def _register_comm_hook(self) -> None:
+        """Record DDP's gradient AllReduces for the hang watchdog (its own module decides how)."""
+        try:
+            from podtrain.dist.watchdog import register_recording_hook
+        except ImportError:
+            return
+        register_recording_hook(self.ddp)
+
+    def _check_memory(self, config: Any) -> None:
+        from podtrain.model import estimate_params
+
+        params = estimate_params(config)
+        device_bytes = device_memory_bytes(self.ctx.device, self.ctx.env.local_world_size)
+        where = "one GPU" if self.ctx.is_cuda else "this rank's share of host memory"
+        check_fits(params, device_bytes, where, self.cfg.model.memory_check)
+
+    def _check_all_parameters_used(self, model: torch.nn.Module) -> None:
+        """One local forward/backward on a dummy batch: name parameters that get no gradient.
+
+        DDP without find_unused_parameters would otherwise fail later with a hard-to-read
+        reduction error (or hang on some versions). No collective is involved.
+        """
+        rows = torch.zeros(1, min(self.cfg.data.seq_len, 16) + 1, dtype=torch.long, device=self.ctx.device)
+        from podtrain.train.step import micro_batch_loss_sum
+
+        micro_batch_loss_sum(model, rows, resolve_precision("fp32", self.ctx.device)).backward()
+        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        model.zero_grad(set_to_none=True)
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise UserError(f"parameters receive no gradient: {shown}; set dist.find_unused_parameters=true "
+                            "(slower) or freeze them (requires_grad=False)")
+
+    def _check_replicas(self, model: torch.nn.Module, before_ddp: bool) -> None:
+        """Every rank must hold the same weights: compare per-parameter sums across ranks."""
+        if not self.ctx.initialized:
+            return
+        fingerprints = self.ctx.all_gather_object(parameter_fingerprint(model).cpu())
+        differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
+        if not differ:
+            return
+        if before_ddp:
+            log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
+        else:
+            raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
+
+    def _setup_checkpoints(self) -> None:
+        from podtrain.checkpoint import Checkpointer
+        from podtrain.train.signals import StopSignal
+
+        self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
+        state = self.checkpointer.restore(self.model, self.optimizer, self.stepper.scaler)
+        if state is not None:
+            self.step = int(state["step"])
+            self.tokens_seen = int(state["tokens_seen"])
+            self.run_id = state.get("run_id", self.run_id)
+            self.loader.load_state_dict(state["loader"])
+            log.info("resumed from step %d (epoch %d, %d samples consumed)", self.step,
+                     self.loader.epoch, self.loader.consumed)
+        self.stop_signal = StopSignal(self.cfg.ckpt.signals)
+
+    def _setup_monitoring(self) -> None:
+        mcfg = self.cfg.monitor
+        self.straggler = None
+        try:
+            from podtrain.monitor import StragglerMonitor
+        except ImportError:
+            StragglerMonitor = None
+        if StragglerMonitor is not None and mcfg.straggler_every and self.ctx.initialized:
+            self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
+        if mcfg.watchdog:
+            try:
+                from podtrain.dist.watchdog import Watchdog
+            except ImportError:
+                return
+            self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank,
+                                     self.cfg.dist.init_timeout_s, self.cfg.dist.timeout_s)
+            self.watchdog.start()
+
+    def _log_start(self) -> None:
+        cfg, ctx, size = self.cfg, self.ctx, self.size
+        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s", __version__,
+                 ctx.world_size, ctx.backend, ctx.device.type, self.precision.name)
+        log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
+                 "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
+                 self.accum, cfg.train.micro_batch_size)
+        log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
+                 self.loader.samples_per_epoch, self.run_dir)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        """Train to ``train.steps``: batch -> step -> log -> eval -> checkpoint."""
+        cfg, ctx = self.cfg, self.ctx
+        total = cfg.train.steps
+        self.progress = Progress(cfg.log.progress, total, self.step, enabled=ctx.is_main)
+        interval = _Interval(time.perf_counter())
+        while self.step < total:
+            if self.stop_signal.should_stop(ctx):
+                return self._stop_for_signal()
+            batch = self.loader.next()
+            set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
+                                         cfg.optim.warmup_steps, total))
+            t0 = time.perf_counter()
+            self.stepper.step(batch.micro_batches)
+            self.step += 1
+            self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+            interval.add(time.perf_counter() - t0, batch.wait_s)
+            if self.watchdog is not None:
+                self.watchdog.beat(self.step)
+            if self.step == 1:
+                ctx.set_timeout(cfg.dist.timeout_s)  # start-up is over: steady-state timeout
+            last = self.step == total
+            if self.step % cfg.log.every == 0 or last:
+                self._log_interval(interval)
+                interval = _Interval(time.perf_counter())
+            if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
+                interval.exclude(self._evaluate())
+            if self.checkpointer.should_save(self.step, total):
+                interval.exclude(self._save())
+        return self.result
+
+    # -- the loop's parts ----------------------------------------------------------------------
+    def _log_interval(self, interval: "_Interval") -> None:
+        loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
+        if not math.isfinite(loss):
+            raise RuntimeError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
+        elapsed = interval.elapsed(time.perf_counter())
+        steps = interval.steps
+        tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
+        per_device_flops = tokens_per_s * self.size.flops_per_token / self.ctx.world_size
+        record: dict[str, Any] = {
+            "kind": "train", "step": self.step, "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": per_device_flops / self.peak if self.peak else None,
+            "step_time_s": elapsed / max(1, steps), "data_wait_s": interval.wait / max(1, steps),
+            "max_mem_bytes": max_memory_bytes(self.ctx.device), "world_size": self.ctx.world_size,
+            "tokens_seen": self.tokens_seen, "epoch": self.loader.epoch, "run_id": self.run_id,
+            "time": time.time(),
+        }
+        if self.straggler is not None:
+            self.straggler.observe(interval.busy / max(1, steps), interval.wait / max(1, steps))
+            report = self.straggler.maybe_report(self.step)
+            if report:
+                record.update(report)
+        self.metrics.write(record)
+        self.progress.update(record)
+        self.result.final_loss = loss
+        self.result.step = self.step
+        if self.ctx.is_main:
+            self.result.records.append(record)
+
+    def _evaluate(self) -> float:
+        t0 = time.perf_counter()
+        val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
+                       self.cfg.eval.max_batches, self.precision)
+        self.result.val_loss = val
+        record = {"kind": "eval", "step": self.step, "val_loss": val, "run_id": self.run_id,
+                  "time": time.time()}
+        self.metrics.write(record)
+        if self.ctx.is_main:
+            self.result.records.append(record)
+        self.progress.note(f"step {self.step}: validation loss {val:.4f}")
+        return time.perf_counter() - t0
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond weights and optimizer to continue exactly."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "run_id": self.run_id, "config": to_dict(self.cfg)}
+
+    def _save(self) -> float:
+        t0 = time.perf_counter()
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
+                               self.train_state())
+        return time.perf_counter() - t0
+
+    def _stop_for_signal(self) -> TrainResult:
+        from podtrain.train.signals import REQUEUE_EXIT_CODE
+
+        t0 = time.perf_counter()
+        self._save()
+        waited = self.checkpointer.wait()
+        took = time.perf_counter() - t0
+        log.warning("stop signal: saved step %d in %.1f s (%.1f s waiting for the write) of a %.0f s "
+                    "grace period; exiting with %d so the scheduler requeues", self.step, took, waited,
+                    self.cfg.ckpt.grace_s, REQUEUE_EXIT_CODE)
+        self.result.exit_code = REQUEUE_EXIT_CODE
+        self.result.step = self.step
+        return self.result
+
+    def close(self) -> None:
+        """Release everything on every exit path: saves finish, threads stop, DDP goes first."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.loader is not None:
+            self.loader.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.progress is not None:
+            self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.stop_signal is not None and hasattr(self.stop_signal, "restore"):
+            self.stop_signal.restore()
+        # Drop DDP (and its reducer) before the process group is destroyed: see MACHINE-NOTES.
+        self.ddp = None
+        self.stepper_model = None
+        self.stepper = None
+
+
+@dataclass
+class _Interval:
+    """Timing of one log interval, excluding evaluation and checkpoint time."""
+
+    start: float
+    steps: int = 0
+    busy: float = 0.0
+    wait: float = 0.0
+    excluded: float = 0.0
+
+    def add(self, step_s: float, wait_s: float) -> None:
+        self.steps += 1
+        self.busy += step_s
+        self.wait += wait_s
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def elapsed(self, now: float) -> float:
+        return now - self.start - self.excluded

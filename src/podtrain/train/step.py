@@ -1,0 +1,121 @@
+"""One optimizer step: micro-batches under ``no_sync``, loss normalised globally, clip, AdamW.
+
+Gradient arithmetic: every target token of the global batch weighs the same. Rank ``r`` backprops
+``loss_sum_r * world_size / global_target_tokens``; DDP averages gradients over ranks (divides by
+``world_size``), so the synchronised gradient is ``sum_r loss_sum_r / global_target_tokens``: the
+gradient of the mean loss over the whole global batch, exactly what one process would compute on
+the concatenated batch.
+
+Communication: all micro-batches but the last run under ``ddp.no_sync()`` (gradients accumulate
+locally); the last one's backward all-reduces the buckets, overlapped with the backward itself.
+
+Host syncs: none. Loss and gradient norm accumulate in device tensors that the loop reads only at
+log intervals (``StepStats.read``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from podtrain.train.precision import Precision
+
+
+def micro_batch_loss_sum(model: nn.Module, rows: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """Summed next-token cross-entropy of a [batch, seq_len + 1] block (fp32 loss)."""
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    with precision.autocast():
+        logits = model(input_ids=inputs).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass
+class StepStats:
+    """Device-side running sums since the last read (no host sync until ``read``)."""
+
+    device: torch.device
+    loss_sum: torch.Tensor = field(init=False)
+    grad_norm_sum: torch.Tensor = field(init=False)
+    tokens: int = 0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.tokens = 0
+        self.steps = 0
+
+    def read(self, all_reduce_sum) -> tuple[float, float]:
+        """(token-weighted mean loss over all ranks, mean grad norm) for the interval; resets.
+
+        ``all_reduce_sum`` is the context's collective: every rank must call ``read`` together.
+        """
+        packed = torch.stack([self.loss_sum, torch.tensor(float(self.tokens), dtype=torch.float64,
+                                                           device=self.device)])
+        all_reduce_sum(packed)
+        loss_sum, tokens = packed.tolist()  # the one host sync of the interval
+        grad_norm = self.grad_norm_sum.item() / max(1, self.steps)
+        self.reset()
+        return loss_sum / max(1.0, tokens), grad_norm
+
+
+class Stepper:
+    """Runs optimizer steps for a DDP-wrapped (optionally compiled) model.
+
+    Args:
+        model: the module to call forward on (DDP, or torch.compile of DDP).
+        ddp: the DistributedDataParallel instance (for ``no_sync``), or None for one process.
+        optimizer: AdamW built over the unwrapped model's parameters.
+        precision: autocast policy; fp16 brings a GradScaler.
+        grad_clip: max global gradient norm; 0 disables clipping (the norm is still reported).
+        world_size: number of ranks (DDP divides gradients by it).
+        global_target_tokens: target tokens per optimizer step over all ranks.
+    """
+
+    def __init__(self, model: nn.Module, ddp: nn.Module | None, optimizer: torch.optim.Optimizer,
+                 precision: Precision, grad_clip: float, world_size: int,
+                 global_target_tokens: int, device: torch.device):
+        self.model, self.ddp, self.optimizer = model, ddp, optimizer
+        self.precision = precision
+        self.scaler = precision.grad_scaler()
+        self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
+        self.loss_scale = world_size / global_target_tokens
+        self.device = device
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.stats = StepStats(device)
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        if last or self.ddp is None:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    def step(self, micro_batches: list[torch.Tensor]) -> None:
+        """Forward/backward every micro-batch, then one optimizer step (learning rate preset)."""
+        last = len(micro_batches) - 1
+        for i, rows in enumerate(micro_batches):
+            rows = rows.to(self.device, non_blocking=True)
+            with self._sync_context(i == last):
+                loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
+                scaled = loss_sum * self.loss_scale
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            self.stats.loss_sum += loss_sum.detach()
+            self.stats.tokens += rows.shape[0] * (rows.shape[1] - 1)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stats.grad_norm_sum += norm.detach().double()
+        self.stats.steps += 1
