@@ -1,0 +1,268 @@
+"""Tokenizers: byte-level, a byte-level BPE trained locally, or a Hugging Face tokenizer on disk.
+
+All three present the same small interface (``encode``, ``decode``, ``encode_batch``,
+``vocab_size``, ``eos_id``) so ``prepare`` and ``podtrain sample`` never care which one they hold.
+Corpus encoding never adds special tokens and never turns a literal ``<|endoftext|>`` in the text
+into the EOS id: document boundaries come only from ``prepare``, so document counts are exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from podtrain.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from podtrain.data.manifest import Manifest
+
+BYTE_VOCAB_SIZE = 257
+BYTE_EOS_ID = 256
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+# Files copied next to tokenizer.json when present: they carry the EOS token and chat metadata.
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# A stable identity for the byte-level tokenizer, which has no file to hash.
+BYTE_IDENTITY_SHA256 = hashlib.sha256(b"podtrain byte-level tokenizer v1: ids 0-255 bytes, 256 EOS").hexdigest()
+# EOS candidates tried, in order, when a tokenizer folder does not name its EOS token.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+MIN_BPE_VOCAB = 258  # 256 byte symbols + EOS + at least one merge
+
+
+class Tokenizer(Protocol):
+    """What ``prepare`` and ``podtrain sample`` need from a tokenizer."""
+
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        """Token ids of each text."""
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """``uint16`` when every id fits in 16 bits, else ``uint32``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOS = 256."""
+
+    kind = "byte"
+    name = "byte"
+    vocab_size = BYTE_VOCAB_SIZE
+    eos_id = BYTE_EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """UTF-8 text of the byte ids; EOS and out-of-range ids are dropped, bad bytes replaced."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        """The UTF-8 bytes of each text as a uint8 array (zero Python-level per-byte work)."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` (locally trained BPE or a Hugging Face ``tokenizer.json``)."""
+
+    def __init__(self, tok: Any, eos_id: int, kind: str, name: str) -> None:
+        """Wrap ``tok``; ``eos_id`` separates documents."""
+        self.tok = tok
+        # Literal special-token strings in a corpus stay text, so only prepare inserts EOS.
+        if hasattr(tok, "encode_special_tokens"):
+            tok.encode_special_tokens = True
+        self.eos_id = int(eos_id)
+        self.kind = kind
+        self.name = name
+        self.vocab_size = vocab_size_of(tok)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without special tokens."""
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens kept, so an EOS shows where a document ended)."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
+        """Token ids of each text; ``encode_batch_fast`` (no offsets) where the library has it."""
+        fn = getattr(self.tok, "encode_batch_fast", None) or self.tok.encode_batch
+        return [e.ids for e in fn(texts, add_special_tokens=False)]
+
+
+def vocab_size_of(tok: Any) -> int:
+    """Ids are below this: max id + 1 over the vocabulary and added tokens (ids may be sparse)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    return max(max(vocab.values()) + 1, tok.get_vocab_size(with_added_tokens=True)) if vocab else 0
+
+
+def _tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise UserError("the `tokenizers` package is needed for BPE and Hugging Face tokenizers "
+                        "(pip install tokenizers)") from None
+    return tokenizers
+
+
+def parse_bpe_vocab(spec: str) -> int:
+    """The vocabulary size of a ``bpe:VOCAB`` spec; a bad one is a user error naming it."""
+    _, _, value = spec.partition(":")
+    try:
+        vocab = int(value)
+    except ValueError:
+        raise UserError(f"--tokenizer {spec}: VOCAB must be an integer, e.g. bpe:8192") from None
+    if not MIN_BPE_VOCAB <= vocab < 1 << 32:
+        raise UserError(f"--tokenizer {spec}: VOCAB must be between {MIN_BPE_VOCAB} and 2**32-1")
+    return vocab
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style) on ``texts``; EOS is ``<|endoftext|>`` with id 0.
+
+    The ``tokenizers`` trainer is deterministic for a given input sequence, so the same corpus
+    gives the same tokenizer.json byte for byte.
+    """
+    tk = _tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+        # The full byte alphabet, so any text (not only what training saw) encodes without <unk>.
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return HFTokenizer(tok, tok.token_to_id(EOS_TOKEN), kind="bpe", name=f"bpe:{vocab_size}")
+
+
+def _eos_from_config(folder: Path) -> str | None:
+    for fname in SIDE_FILES:
+        path = folder / fname
+        if not path.is_file():
+            continue
+        try:
+            conf = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path}: not valid JSON ({exc})") from None
+        eos = conf.get("eos_token") if isinstance(conf, dict) else None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
+def _choose_eos(tok: Any, where: str, folder: Path | None, eos_token: str | None) -> int:
+    wanted = eos_token or (_eos_from_config(folder) if folder is not None else None)
+    if wanted is not None:
+        eos_id = tok.token_to_id(wanted)
+        if eos_id is None:
+            raise UserError(f"{where}: EOS token {wanted!r} is not in the tokenizer's vocabulary")
+        return int(eos_id)
+    for cand in EOS_CANDIDATES:
+        eos_id = tok.token_to_id(cand)
+        if eos_id is not None:
+            return int(eos_id)
+    raise UserError(f"{where}: cannot tell the EOS token (no tokenizer_config.json eos_token, none of "
+                    f"{', '.join(EOS_CANDIDATES)}); pass --eos-token")
+
+
+@dataclass(frozen=True)
+class LoadedHF:
+    """A Hugging Face tokenizer and the files that define it (name -> bytes), to copy into DATA_DIR."""
+
+    tokenizer: HFTokenizer
+    files: dict[str, bytes]
+
+
+def load_hf(spec: str, eos_token: str | None = None) -> LoadedHF:
+    """Load a tokenizer from a ``tokenizer.json`` file, a folder holding one, or a hub name.
+
+    A path that exists is read locally. Otherwise a name shaped like ``org/name`` is fetched from
+    the Hugging Face Hub (needs a network); anything else is a user error naming the path.
+    """
+    tk = _tokenizers()
+    path = Path(spec)
+    if path.is_dir():
+        folder, tok_path = path, path / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise UserError(f"{path}: tokenizer folder has no {TOKENIZER_FILE} "
+                            "(only fast tokenizers saved as tokenizer.json are supported)")
+    elif path.is_file():
+        folder, tok_path = path.parent, path
+    elif spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return _load_from_hub(spec, eos_token)
+    else:
+        raise UserError(f"--tokenizer {spec}: no such file or directory (expected byte, bpe:VOCAB, "
+                        "a tokenizer.json, a tokenizer folder, or a hub name org/name)")
+    blob = tok_path.read_bytes()
+    try:
+        tok = tk.Tokenizer.from_str(blob.decode("utf-8"))
+    except Exception as exc:  # the Rust side raises plain Exception subclasses
+        raise UserError(f"{tok_path}: not a valid tokenizers JSON file ({str(exc).splitlines()[0]})") from None
+    files = {TOKENIZER_FILE: blob}
+    if path.is_dir() or tok_path.name == TOKENIZER_FILE:
+        files.update({f: (folder / f).read_bytes() for f in SIDE_FILES if (folder / f).is_file()})
+    eos_id = _choose_eos(tok, str(tok_path), folder, eos_token)
+    return LoadedHF(HFTokenizer(tok, eos_id, kind="hf", name=str(spec)), files)
+
+
+def _load_from_hub(name: str, eos_token: str | None) -> LoadedHF:  # pragma: no cover - needs network
+    tk = _tokenizers()
+    try:
+        tok = tk.Tokenizer.from_pretrained(name)
+    except Exception as exc:
+        raise UserError(f"--tokenizer {name}: not a local path, and loading it from the Hugging Face "
+                        f"Hub failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    eos_id = _choose_eos(tok, name, None, eos_token)
+    return LoadedHF(HFTokenizer(tok, eos_id, kind="hf", name=name),
+                    {TOKENIZER_FILE: tok.to_str().encode("utf-8")})
+
+
+def from_identity(root: Path, identity: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
+    """Rebuild the tokenizer a manifest names, from the files under ``root`` (the data directory)."""
+    kind = identity.get("kind")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind in ("bpe", "hf"):
+        files = identity.get("files") or []
+        if not files:
+            raise UserError(f"{root}/manifest.json: tokenizer {identity.get('name')!r} lists no files")
+        path = root / files[0]
+        if not path.is_file():
+            raise UserError(f"{path} is missing (tokenizer of {root})")
+        tk = _tokenizers()
+        blob = path.read_bytes()
+        if identity.get("sha256") and hashlib.sha256(blob).hexdigest() != identity["sha256"]:
+            raise UserError(f"{path}: sha256 does not match the manifest (tokenizer file changed)")
+        tok = tk.Tokenizer.from_str(blob.decode("utf-8"))
+        return HFTokenizer(tok, int(identity["eos_id"]), kind=kind, name=str(identity.get("name")))
+    raise UserError(f"{root}/manifest.json: unknown tokenizer kind {kind!r}")
+
+
+def load_tokenizer(data_dir_or_manifest: str | Path | Manifest) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a prepared data directory was made with (for ``podtrain sample``).
+
+    Accepts the data directory or an already read ``Manifest``. The result has ``encode(text)``,
+    ``decode(ids)``, ``vocab_size`` and ``eos_id``.
+    """
+    from podtrain.data.manifest import Manifest, read_manifest
+
+    manifest = data_dir_or_manifest if isinstance(data_dir_or_manifest, Manifest) \
+        else read_manifest(data_dir_or_manifest)
+    return from_identity(manifest.root, manifest.tokenizer)
