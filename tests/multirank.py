@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -47,7 +48,9 @@ def _rank_main(fn, rank, world, port, args, queue, env):
 
                 gc.collect()
                 dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Plain pickle: torch's queue reductions pass tensors as shared-memory handles that die
+        # with this process; bytes survive it.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, which re-raises it
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -64,7 +67,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, queue, env or {}),
-                         daemon=True) for r in range(world)]
+                         daemon=False) for r in range(world)]  # ranks may start loader workers
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -73,7 +76,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         for _ in range(world):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -99,6 +99,11 @@ class Stepper:
 
     def step(self, micro_batches: list[torch.Tensor]) -> None:
         """Forward/backward every micro-batch, then one optimizer step (learning rate preset)."""
+        self.accumulate(micro_batches)
+        self.apply()
+
+    def accumulate(self, micro_batches: list[torch.Tensor]) -> None:
+        """Forward/backward of every micro-batch; gradients are synchronised after the last."""
         last = len(micro_batches) - 1
         for i, rows in enumerate(micro_batches):
             rows = rows.to(self.device, non_blocking=True)
@@ -108,6 +113,9 @@ class Stepper:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             self.stats.loss_sum += loss_sum.detach()
             self.stats.tokens += rows.shape[0] * (rows.shape[1] - 1)
+
+    def apply(self) -> None:
+        """Unscale (fp16), clip, optimizer step, clear gradients."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)

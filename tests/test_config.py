@@ -1,0 +1,68 @@
+"""Config: YAML + dotted overrides; user mistakes give one line and exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from podtrain.cli import main
+from podtrain.config import accumulation_steps, dump_config, load_config, to_dict
+from podtrain.errors import UserError
+
+
+def test_overrides_apply_with_types(repo):
+    cfg = load_config(repo / "configs/demo.yaml", ["optim.lr=3e-4", "train.steps=200", "train.compile=true"])
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.steps == 200 and cfg.train.compile is True
+    assert cfg.model.preset == "tiny"  # from the file
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.lrr=1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    ("train.lr=1", "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),
+    ("train.steps=abc", "config key 'train.steps' expects an integer, got 'abc'"),
+    ("train.compile=1", "config key 'train.compile' expects true or false, got 1"),
+    ("train.precision=fp8", "config key 'train.precision' must be one of auto, fp32, bf16, fp16, got 'fp8'"),
+    ("steps", "override 'steps' must look like section.key=value"),
+])
+def test_user_mistakes_name_the_key(override, expected):
+    with pytest.raises(UserError) as info:
+        load_config(None, [override])
+    assert str(info.value) == expected
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(UserError, match=r"unknown config key 'train.stepz' \(did you mean 'train.steps'\?\)"):
+        load_config(path)
+
+
+def test_accumulation_must_divide():
+    assert accumulation_steps(32, 8, 2) == 2
+    with pytest.raises(UserError, match="global_batch_size=32 is not divisible by .* 8 x 3 = 24"):
+        accumulation_steps(32, 8, 3)
+
+
+def test_cli_prints_one_line_and_exits_2(repo):
+    proc = subprocess.run([sys.executable, "-m", "podtrain.cli", "train", str(repo / "configs/demo.yaml"),
+                           "optim.lrr=3e-4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "podtrain: error: unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_launch_local_rejects_indivisible_accumulation_before_starting(repo, capsys):
+    code = main(["launch", "local", str(repo / "configs/demo.yaml"), "--nproc", "3"])
+    assert code == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["train.steps=7", "ckpt.signals=[SIGTERM]"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert to_dict(again) == to_dict(cfg)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 7

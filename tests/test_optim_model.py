@@ -1,0 +1,71 @@
+"""LR schedule, AdamW groups, presets, FLOPs and the FSDP memory check."""
+
+import math
+
+import pytest
+import torch
+
+from podtrain.config import OptimSection
+from podtrain.errors import UserError
+from podtrain.model import PRESETS, build_model, check_fits, estimate_params, model_size, preset_config, unwrap
+from podtrain.train.optim import build_optimizer, lr_at
+
+
+def test_lr_warmup_then_cosine():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert lr_at(500, **kw) == pytest.approx(0.1)  # past the end stays at min_lr
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    model = build_model(preset_config("gpt2-124m", 128), seed=0)  # has biases, LayerNorms, tied wte
+    opt = build_optimizer(model, OptimSection(weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"])
+    assert not any("wte" in n or "wpe" in n or ".ln_" in n or "bias" in n for n in decayed)
+    assert "transformer.h.0.attn.c_attn.weight" in decayed
+    assert opt.defaults.get("fused") or opt.defaults.get("foreach")
+
+
+@pytest.mark.parametrize("preset, millions", [("tiny", 1.8), ("gpt2-124m", 124.4), ("qwen2.5-0.5b", 494.0),
+                                              ("llama-1b", 1235.8), ("llama-8b", 8030.3)])
+def test_preset_sizes(preset, millions):
+    assert estimate_params(preset_config(preset, None if preset != "tiny" else 320)) / 1e6 == \
+        pytest.approx(millions, abs=0.1)
+    assert preset in PRESETS
+
+
+def test_flops_per_token_counts_the_tied_head_and_attention():
+    config = preset_config("tiny", 320)
+    model = build_model(config, seed=0)
+    size = model_size(model, config, seq_len=256)
+    assert size.matmul_params == size.params  # tied: the head's matmul uses the embedding
+    assert size.flops_per_token == 6 * size.params + 12 * 4 * 192 * 256
+
+
+def test_same_seed_same_weights_and_unwrap():
+    a = build_model(preset_config("tiny", 320), seed=3)
+    b = build_model(preset_config("tiny", 320), seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert unwrap(torch.nn.Sequential(a)[0]) is a
+
+
+def test_eight_billion_parameters_do_not_fit_one_80gb_gpu():
+    params = estimate_params(preset_config("llama-8b"))
+    with pytest.raises(UserError, match="use FSDP"):
+        check_fits(params, 80 * 2**30, "one GPU")
+    assert "FSDP" in check_fits(params, 80 * 2**30, "one GPU", policy="warn")
+    assert check_fits(estimate_params(preset_config("llama-1b")), 80 * 2**30, "one GPU") is None
+
+
+def test_config_json_path_and_bad_preset(tmp_path):
+    preset_config("tiny", 320).to_json_file(tmp_path / "config.json")
+    assert preset_config(str(tmp_path)).hidden_size == 192
+    with pytest.raises(UserError, match="neither a preset"):
+        preset_config("gpt5")
