@@ -14,9 +14,16 @@ The manifest (JSON)::
                    "files": ["tokenizer/tokenizer.json", ...], "sha256": str},
      "dtype": "uint16"|"uint32",
      "splits": {"train": {"tokens": int, "documents": int,
-                          "shards": [{"file": str, "tokens": int, "documents": int, "sha256": str}]},
-                "val": {...}},
-     "val_fraction": float, "sources": [...], "errors": {"replaced": int, "skipped": int}}
+                          "shards": [{"file": str, "tokens": int, "documents": int, "sha256": str,
+                                      "max_token_id": int}]},
+                "val": {...}},              (absent when prepared with --val-fraction 0)
+     "val_fraction": float, "sources": [{"input": str, "files": int, "bytes": int}, ...],
+     "errors": {"policy": "strict"|"replace"|"skip", "replaced": int, "skipped": int},
+     "text_field": str, "shard_tokens": int}
+
+A document may continue from one shard into the next (shards have a fixed token count); a split
+is the concatenation of its shards in order. ``documents`` counts the EOS ids in a shard.
+``max_token_id`` lets a run check the ids against its model's vocabulary without reading shards.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from podtrain.errors import UserError
+from podtrain.fsutil import sha256_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "podtrain-shards/1"
@@ -43,6 +51,7 @@ class Shard:
     tokens: int
     documents: int
     sha256: str
+    max_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,8 @@ class Manifest:
         if split not in self.raw["splits"]:
             raise UserError(f"{self.root / MANIFEST_NAME}: no {split!r} split "
                             f"(has {', '.join(self.splits()) or 'none'})")
-        return [Shard(self.root / s["file"], int(s["tokens"]), int(s["documents"]), s["sha256"])
+        return [Shard(self.root / s["file"], int(s["tokens"]), int(s["documents"]), s["sha256"],
+                      None if s.get("max_token_id") is None else int(s["max_token_id"]))
                 for s in self.raw["splits"][split]["shards"]]
 
 
@@ -106,3 +116,42 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     if raw["dtype"] not in DTYPES:
         raise UserError(f"{path}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
     return Manifest(root=root, raw=raw)
+
+
+def verify_shards(manifest: Manifest, splits: list[str] | None = None) -> None:
+    """Check every shard's size and SHA-256 against the manifest (all splits unless ``splits``).
+
+    A missing, truncated or altered shard is a one-line user error naming the shard.
+    """
+    for split in splits if splits is not None else manifest.splits():
+        for shard in manifest.shards(split):
+            expected = shard.tokens * manifest.dtype.itemsize
+            try:
+                size = shard.path.stat().st_size
+            except OSError:
+                raise UserError(f"shard {shard.path} is missing (listed in {manifest.root / MANIFEST_NAME}); "
+                                "run `podtrain prepare` again") from None
+            if size != expected:
+                raise UserError(f"shard {shard.path} has {size} bytes, the manifest says {expected}; "
+                                "run `podtrain prepare` again")
+            if sha256_file(shard.path) != shard.sha256:
+                raise UserError(f"shard {shard.path}: sha256 does not match {manifest.root / MANIFEST_NAME} "
+                                "(file corrupted or changed); run `podtrain prepare` again")
+
+
+def check_vocab(manifest: Manifest, model_vocab_size: int) -> None:
+    """Refuse data whose tokenizer has more ids than the model's embedding has rows.
+
+    Also checks each shard's recorded ``max_token_id`` when present (free: no shard is read).
+    """
+    path = manifest.root / MANIFEST_NAME
+    name = manifest.tokenizer.get("name", "?")
+    if manifest.vocab_size > model_vocab_size:
+        raise UserError(f"{path}: tokenizer {name!r} has vocab_size {manifest.vocab_size} but the model's "
+                        f"vocabulary has {model_vocab_size}: prepare the data with the model's tokenizer "
+                        f"or set model.vocab_size >= {manifest.vocab_size}")
+    for split in manifest.splits():
+        for shard in manifest.shards(split):
+            if shard.max_token_id is not None and shard.max_token_id >= model_vocab_size:
+                raise UserError(f"shard {shard.path} holds token id {shard.max_token_id}, at or above the "
+                                f"model's vocabulary size {model_vocab_size}")
