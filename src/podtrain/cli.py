@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         parser = argparse.ArgumentParser(prog=f"podtrain {' '.join(path)}", description=help_)
         module.add_arguments(parser)
-        args = parser.parse_args(rest)
+        # intermixed: "CONFIG --nproc 2 k=v" puts overrides after options, as users type them
+        args = parser.parse_intermixed_args(rest)
         return int(module.run(args) or 0)
     except UserError as exc:
         print(f"podtrain: error: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Sequence
 
 from podtrain.config import accumulation_steps, load_config
@@ -48,14 +49,20 @@ def free_port() -> int:
 
 
 def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: int, port: int,
-                     rdzv_id: str, max_restarts: int, join_timeout: int, host: bool) -> list[str]:
-    """The torchrun command line of one agent (pure, for tests and dry runs)."""
+                     rdzv_id: str, max_restarts: int, join_timeout: int, host: bool,
+                     log_dir: str | None = None) -> list[str]:
+    """The torchrun command line of one agent (pure, for tests and dry runs).
+
+    With ``log_dir`` every rank's stdout and stderr are also kept in files under it
+    (``LOG_DIR/<run>/attempt_<k>/<local_rank>/stdout.log``), besides the console.
+    """
     conf = f"join_timeout={join_timeout}" + (",is_host=1" if host and nnodes > 1 else "")
+    logs = ["--log-dir", log_dir, "--tee", "3"] if log_dir else []
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-        f"--rdzv-conf={conf}", f"--max-restarts={max_restarts}",
+        f"--rdzv-conf={conf}", f"--max-restarts={max_restarts}", *logs,
         "-m", "podtrain.cli", "train", config, *overrides,
     ]
 
@@ -78,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes)
+    log_dir = Path(cfg.run.dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
     agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,
                                                 port, rdzv_id, args.max_restarts, args.join_timeout,
-                                                host=(i == 0)), env=env)
+                                                host=(i == 0), log_dir=str(log_dir)), env=env)
               for i in range(args.nnodes)]
     return _wait_forwarding_signals(agents)
 

@@ -101,6 +101,8 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         self.progress: Progress | None = None
         self.result = TrainResult(step=0)
+        self.straggler = None
+        self._straggler_report: dict[str, Any] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -162,12 +164,11 @@ class Trainer:
         return wrapped
 
     def _register_comm_hook(self) -> None:
-        """Record DDP's gradient AllReduces for the hang watchdog (its own module decides how)."""
-        try:
-            from podtrain.dist.watchdog import register_recording_hook
-        except ImportError:
-            return
-        register_recording_hook(self.ddp)
+        """Record (and time) DDP's gradient AllReduces in the rank's collective record, which the
+        hang watchdog dumps; the gradients are DDP's default AllReduce's."""
+        from podtrain.dist.watchdog import register_recording_hook
+
+        register_recording_hook(self.ddp, self.ctx.recorder)
 
     def _check_memory(self, config: Any) -> None:
         from podtrain.model import estimate_params
@@ -223,22 +224,16 @@ class Trainer:
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
 
     def _setup_monitoring(self) -> None:
+        from podtrain.dist.watchdog import Watchdog
+        from podtrain.monitor import StragglerMonitor
+
         mcfg = self.cfg.monitor
-        self.straggler = None
-        try:
-            from podtrain.monitor import StragglerMonitor
-        except ImportError:
-            StragglerMonitor = None
-        if StragglerMonitor is not None and mcfg.straggler_every and self.ctx.initialized:
-            self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
+        self.straggler = (StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
+                          if mcfg.straggler_every and self.ctx.initialized else None)
         if mcfg.watchdog:
-            try:
-                from podtrain.dist.watchdog import Watchdog
-            except ImportError:
-                return
-            self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank,
-                                     self.cfg.dist.init_timeout_s, self.cfg.dist.timeout_s)
-            self.watchdog.start()
+            self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
+                                     self.cfg.dist.timeout_s, recorder=self.ctx.recorder,
+                                     host=self.ctx.env.hostname).start()
 
     def _log_start(self) -> None:
         cfg, ctx, size = self.cfg, self.ctx, self.size
@@ -268,9 +263,12 @@ class Trainer:
             self.stepper.step(batch.micro_batches)
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
-            interval.add(time.perf_counter() - t0, batch.wait_s)
+            step_s = time.perf_counter() - t0
+            interval.add(step_s, batch.wait_s)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
+            if self.straggler is not None:
+                self._observe_straggler(step_s, batch.wait_s)
             if self.step == 1:
                 ctx.set_timeout(cfg.dist.timeout_s)  # start-up is over: steady-state timeout
             last = self.step == total
@@ -303,17 +301,23 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "epoch": self.loader.epoch, "run_id": self.run_id,
             "time": time.time(),
         }
-        if self.straggler is not None:
-            self.straggler.observe(interval.busy / max(1, steps), interval.wait / max(1, steps))
-            report = self.straggler.maybe_report(self.step)
-            if report:
-                record.update(report)
+        if self._straggler_report:
+            record.update(self._straggler_report)
+            self._straggler_report = None
         self.metrics.write(record)
         self.progress.update(record)
         self.result.final_loss = loss
         self.result.step = self.step
         if self.ctx.is_main:
             self.result.records.append(record)
+
+    def _observe_straggler(self, step_s: float, wait_s: float) -> None:
+        """Feed this step's host-side times to the straggler monitor; every N steps it compares
+        ranks (one small all_gather on every rank) and its report joins the next metrics line."""
+        self.straggler.observe(step_s + wait_s, wait_s, self.ctx.recorder.pop_sync_wait())
+        report = self.straggler.maybe_report(self.step)
+        if report:
+            self._straggler_report = report
 
     def _evaluate(self) -> float:
         t0 = time.perf_counter()

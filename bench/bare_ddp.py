@@ -1,0 +1,89 @@
+"""A bare, hand-written DDP training loop: the baseline podtrain's overhead is measured against.
+
+DistributedSampler over packed windows of the same shards, DataLoader, DDP, AdamW (fused), gradient
+accumulation with no_sync, the same model and batch. Run under torchrun; prints one JSON line with
+steady-state tokens/s (steps after the warm-up).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class Windows(Dataset):
+    def __init__(self, path, seq_len):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.seq_len = seq_len
+
+    def __len__(self):
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i):
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from podtrain.model import PRESETS
+
+    numbers = dict(PRESETS["tiny"])
+    config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    fwd = torch.compile(ddp) if args.compile else ddp
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ds = Windows(os.path.join(args.data, "train_00000.bin"), args.seq_len)
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=1, drop_last=True))
+    accum = args.global_batch // (args.micro * world)
+    for step in range(args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        for i in range(accum):
+            rows = next(loader)
+            ctx = contextlib.nullcontext() if i == accum - 1 else ddp.no_sync()
+            with ctx:
+                logits = fwd(input_ids=rows[:, :-1]).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()) / accum
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len
+    if rank == 0:
+        print(json.dumps({"tokens_per_s": tokens / elapsed}), flush=True)
+    del ddp, fwd
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
