@@ -1,0 +1,196 @@
+"""Stop signals: checkpoint and exit at the next step boundary, at the same step on every rank.
+
+Schedulers announce the end of a job with a signal some time before SIGKILL: Slurm sends SIGTERM
+on preemption or at the time limit (``KillWait``, 30 s by default) and, with
+``#SBATCH --signal=B:USR1@120``, SIGUSR1 120 s early; torchrun's agent relays a SIGTERM it receives
+to every worker and SIGKILLs them 30 s later; Kubernetes sends SIGTERM and SIGKILLs after
+``terminationGracePeriodSeconds``. ``StopSignal`` turns the configured signals (``ckpt.signals``)
+into a flag. The handler only sets that flag (nothing that takes a lock or allocates), and the
+ranks agree at the step boundary with one small all_reduce (max), so they all save the same step
+even though the signal reached them at different moments.
+
+``REQUEUE_EXIT_CODE`` (143 = 128 + SIGTERM) is the status a rank exits with after that save:
+
+* Kubernetes / Kubeflow PyTorchJob with ``restartPolicy: ExitCode``: codes 128-255 are retryable,
+  1-127 permanent, so 143 restarts the pod and the job resumes from the checkpoint.
+* Slurm: an exit code alone does not requeue; put ``RequeueExit=143`` in slurm.conf, or have the
+  batch script run ``scontrol requeue $SLURM_JOB_ID`` when the step ends with 143 (``--requeue``
+  lets a preempted job be requeued at all). HyperPod's ``srun --auto-resume=1`` restarts on node
+  faults; the run then resumes from the newest checkpoint either way.
+* torchrun: a worker that exits non-zero fails the worker group; with ``--max-restarts`` left the
+  agent restarts every worker and they resume. When the agent itself got the SIGTERM it stops
+  instead and exits non-zero, and the outer scheduler decides.
+* Shells report a process killed by SIGTERM as 143 too: "stopped by SIGTERM" either way.
+
+Fault injection for tests (``PODTRAIN_FAULT``, read through ``dist.env.env_flag``):
+``action=kill|term-parent,rank=R,step=K[,delay=S][,once=PATH]`` makes rank R, at the boundary of
+step K, SIGKILL itself ``delay`` seconds later (mid-step) or SIGTERM its parent (the torchrun
+agent). ``once`` names a marker file so the fault fires only in the first attempt of a restarted
+job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from podtrain.dist.env import env_flag
+from podtrain.dist.group import DistContext
+from podtrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+REQUEUE_EXIT_CODE = 143
+"""Exit status after a signal-triggered checkpoint: 128 + SIGTERM, retryable (see module doc)."""
+
+FAULT_ENV = "PODTRAIN_FAULT"
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def parse_signal(name: str) -> signal.Signals:
+    """``"SIGTERM"``, ``"TERM"``, ``"sigusr1"`` or a number -> the signal; else a UserError."""
+    text = str(name).strip().upper()
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[
+            text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise UserError(f"ckpt.signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)") from None
+    if sig in _UNCATCHABLE:
+        raise UserError(f"ckpt.signals: {sig.name} cannot be caught")
+    return sig
+
+
+class StopSignal:
+    """Handlers that set a stop flag; ``should_stop`` makes the ranks agree on it."""
+
+    def __init__(self, signal_names: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+                 fault: "FaultPlan | None" = None) -> None:
+        """Install handlers for ``signal_names`` (main thread only; elsewhere, a warning)."""
+        self.signals = [parse_signal(n) for n in signal_names]
+        self.received: int | None = None
+        """Number of the first signal received on this rank, or None."""
+        self.received_at: float | None = None
+        self._previous: dict[signal.Signals, object] = {}
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._group = None
+        self._group_ready = False
+        self._calls = 0
+        self.fault = fault if fault is not None else FaultPlan.from_env()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("stop signals not installed: only the main thread may set signal handlers")
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # A flag and a timestamp only: a handler may run between any two bytecodes of the loop.
+        if self.received is None:
+            self.received = signum
+            self.received_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        """True once one of the signals reached this rank."""
+        return self.received is not None
+
+    def seconds_since_signal(self) -> float | None:
+        """Seconds since this rank received its signal (to log a save against the grace period)."""
+        return None if self.received_at is None else time.monotonic() - self.received_at
+
+    def should_stop(self, ctx: DistContext, step: int | None = None) -> bool:
+        """Every rank, at every step boundary: True on all ranks when any rank got a signal.
+
+        One all_reduce of one int32 on a CPU (gloo) group, so no GPU synchronisation per step.
+        ``step`` (the steps completed) only drives test fault injection.
+        """
+        current = self._calls if step is None else step
+        self._calls += 1
+        if self.fault is not None:
+            self.fault.maybe_fire(ctx.rank, current)
+        self._flag[0] = 1 if self.received is not None else 0
+        if ctx.initialized:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx))
+        stop = bool(self._flag[0])
+        if stop and ctx.is_main:
+            name = signal.Signals(self.received).name if self.received else "a signal on another rank"
+            log.warning("stop requested (%s): checkpointing and exiting at this step boundary", name)
+        return stop
+
+    def _cpu_group(self, ctx: DistContext):
+        """The default group under gloo; under another backend, a gloo group made on first use."""
+        if not self._group_ready:
+            if ctx.backend != "gloo":
+                self._group = dist.new_group(backend="gloo")  # all ranks reach here at step one
+            self._group_ready = True
+        return self._group
+
+    def restore(self) -> None:
+        """Put the previous handlers back (tests run several trainings in one process)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> "StopSignal":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """A fault a test injects into one rank at one step boundary (see the module docstring)."""
+
+    action: str
+    rank: int
+    step: int
+    delay_s: float = 0.0
+    once: Path | None = None
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan | None":
+        """The plan in ``PODTRAIN_FAULT``, or None."""
+        spec = env_flag(FAULT_ENV)
+        return cls.parse(spec) if spec else None
+
+    @classmethod
+    def parse(cls, spec: str) -> "FaultPlan":
+        """``action=kill,rank=1,step=6,delay=0.05,once=/tmp/marker`` -> FaultPlan."""
+        try:
+            fields = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
+            plan = cls(action=fields["action"], rank=int(fields["rank"]), step=int(fields["step"]),
+                       delay_s=float(fields.get("delay", 0.0)),
+                       once=Path(fields["once"]) if fields.get("once") else None)
+        except (KeyError, ValueError):
+            raise UserError(f"{FAULT_ENV}={spec!r}: expected action=kill|term-parent,rank=R,step=K"
+                            "[,delay=S][,once=PATH]") from None
+        if plan.action not in ("kill", "term-parent"):
+            raise UserError(f"{FAULT_ENV}: unknown action {plan.action!r} (kill or term-parent)")
+        return plan
+
+    def maybe_fire(self, rank: int, step: int) -> bool:
+        """Fire when this is the planned rank and step (and the ``once`` marker is not there)."""
+        if rank != self.rank or step != self.step:
+            return False
+        if self.once is not None:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return False
+        log.warning("fault injection: %s on rank %d at step %d", self.action, rank, step)
+        if self.action == "kill":
+            timer = threading.Timer(self.delay_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+        else:
+            os.kill(os.getppid(), signal.SIGTERM)
+        return True
