@@ -54,7 +54,7 @@ def split_docs(data_dir: Path, split: str) -> list[str]:
     ends = np.flatnonzero(ids == m.eos_id)
     assert ends.size and ends[-1] == ids.size - 1  # every split ends with a finished document
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [tok.decode(ids[a:b].tolist()) for a, b in zip(starts, ends)]
+    return [tok.decode(ids[a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
 
 
 def shard_bytes(data_dir: Path) -> dict[str, bytes]:
@@ -284,7 +284,11 @@ def test_empty_corpus(tmp_path, capsys, content):
     assert not (tmp_path / "out").exists()
 
 
-def test_undecodable_bytes_strict_replace_skip(tmp_path, capsys):
+def test_undecodable_bytes_strict_replace_skip(tmp_path, capsys, monkeypatch):
+    finished = []
+    finish = prep.ShardWriter._finish
+    monkeypatch.setattr(prep.ShardWriter, "_finish",
+                        lambda self, *a, **kw: (finished.append(self.split), finish(self, *a, **kw)))
     make_corpus(tmp_path / "c", n=10)
     bad = tmp_path / "c/zz_bad.txt"  # sorted last: earlier shards are written before the error
     bad.write_bytes(b"good start\n" + b"\xff\xfe broken\n")
@@ -293,7 +297,8 @@ def test_undecodable_bytes_strict_replace_skip(tmp_path, capsys):
     assert code == 2
     assert err == (f"podtrain: error: {bad}: byte 11 is not valid UTF-8 "
                    "(pass --errors replace or --errors skip)")
-    assert not (tmp_path / "out").exists()  # created by this run, so removed entirely
+    assert len(finished) >= 3  # shards were complete before the bad file came up ...
+    assert not (tmp_path / "out").exists()  # ... and are gone: the directory was ours, so removed
 
     (tmp_path / "keep").mkdir()  # a pre-existing --out directory is kept, emptied of our files
     code, err = run_cli([tmp_path / "c", "--out", tmp_path / "keep", "--shard-tokens", "2000"], capsys)
@@ -346,6 +351,29 @@ def test_bad_parquet_column_and_tokenizer_path(tmp_path, capsys):
     code, err = run_cli([tmp_path / "a.txt", "--tokenizer", "bpe:12", "--out", tmp_path / "out"], capsys)
     assert code == 2 and "VOCAB must be between" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_concurrent_prepare_into_one_directory_is_refused(tmp_path, capsys):
+    import fcntl
+    (tmp_path / "a.txt").write_text("text\n")
+    (tmp_path / "out").mkdir()
+    fd = os.open(tmp_path / "out", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as another running prepare would hold it
+    try:
+        code, err = run_cli([tmp_path / "a.txt", "--out", tmp_path / "out", "--val-fraction", "0"], capsys)
+    finally:
+        os.close(fd)
+    assert (code, err) == (2, f"podtrain: error: --out {tmp_path / 'out'}: another `podtrain prepare` "
+                              "is writing this directory")
+    code, _ = run_cli([tmp_path / "a.txt", "--out", tmp_path / "out", "--val-fraction", "0"], capsys)
+    assert code == 0
+    assert oct((tmp_path / "out/train_00000.bin").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_too_small_for_validation_split(tmp_path, capsys):

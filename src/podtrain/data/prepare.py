@@ -15,6 +15,10 @@ fingerprint of the inputs (paths, sizes, mtimes) and the options. A re-run with 
 verifies the finished shards' checksums, skips them and restarts the token stream where the first
 unfinished shard begins; a finished run with a valid manifest is left alone.
 
+A document's name (what its split is hashed from): its path relative to the INPUT directory; a
+file named directly: its file name; a glob match: the path as matched; a JSONL line: NAME:LINE; a
+Parquet row: NAME#ROW. Moving the corpus therefore keeps every document in its split.
+
 Why nothing is half-written: shards are streamed into a temporary file and renamed when full,
 other files go through ``fsutil.atomic_write_*``, the manifest is written last, and a user error
 removes everything this run wrote (a Ctrl-C keeps finished shards for the resume).
@@ -23,15 +27,18 @@ removes everything this run wrote (a Ctrl-C keeps finished shards for the resume
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -49,7 +56,7 @@ from podtrain.fsutil import atomic_write_bytes, atomic_write_text, fsync_dir, sh
 
 DEFAULT_VAL_FRACTION = 0.03
 DEFAULT_SHARD_TOKENS = 1 << 26          # 128 MiB per uint16 shard
-DEFAULT_CHUNK_BYTES = 4 << 20           # raw text per worker task
+DEFAULT_CHUNK_BYTES = 1 << 20           # raw text per worker task (small: load balance)
 DEFAULT_BPE_TRAIN_BYTES = 256 << 20     # text a BPE is trained on (the first train documents)
 ERROR_POLICIES = ("strict", "replace", "skip")
 STATE_DIR = ".prepare"
@@ -217,13 +224,13 @@ def resolve_inputs(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DE
     A path that does not exist, a glob with no match, or a Parquet file without ``text_field`` is
     a one-line user error; nothing is written before this succeeds.
     """
-    seen: set[Path] = set()
+    seen: set[tuple[int, int]] = set()
     sources: list[Source] = []
     for inp in inputs:
         for src in _expand(inp, builtin_bytes):
-            real = src.path.resolve()
-            if real not in seen:  # the same file named twice is read once
-                seen.add(real)
+            st = os.stat(src.path)
+            if (st.st_dev, st.st_ino) not in seen:  # the same file named twice is read once
+                seen.add((st.st_dev, st.st_ino))
                 sources.append(src)
     for src in sources:
         if src.kind == "parquet":
@@ -544,7 +551,7 @@ class Encoder:
         out = np.empty(total, dtype=self.dtype)
         pos = 0
         eos = self.spec.eos_id
-        for seq, unit in zip(seqs, units):
+        for seq, unit in zip(seqs, units, strict=True):
             n = len(seq)
             out[pos:pos + n] = seq
             pos += n
@@ -611,6 +618,22 @@ class _Pool:
 # ------------------------------------------------------------------------------- shard writing
 
 
+def _file_mode() -> int:
+    """0666 minus this process's umask (read from /proc: os.umask would change it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
+def _publish(path: Path) -> None:
+    """Give a file written by fsutil (0600, from mkstemp) the usual permissions."""
+    os.chmod(path, _file_mode())
+
+
 def shard_name(split: str, index: int) -> str:
     """File name of shard ``index`` of ``split``."""
     return f"{split}_{index:05d}.bin"
@@ -643,6 +666,7 @@ class ShardWriter:
     def _open(self) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{shard_name(self.split, len(self.records))}.",
                                    suffix=".tmp", dir=self.out)
+        os.fchmod(fd, _file_mode())  # mkstemp makes 0600; data is meant to be shared like any file
         self._fh, self._tmp = os.fdopen(fd, "wb"), Path(tmp)
         self._fill, self._digest, self._max, self._eos_count = 0, hashlib.sha256(), 0, 0
 
@@ -657,7 +681,7 @@ class ShardWriter:
                 self._open()
             take = min(self.shard_tokens - self._fill, tokens.size - pos)
             part = tokens[pos:pos + take]
-            blob = part.tobytes()
+            blob = memoryview(part).cast("B")  # no copy: file and hash read the array's buffer
             self._fh.write(blob)
             self._digest.update(blob)
             self._max = max(self._max, int(part.max()))
@@ -715,7 +739,8 @@ class ShardWriter:
 
 def run_key(sources: list[Source], opts: PrepareOptions, tokenizer_sha: str | None) -> str:
     """Fingerprint of the inputs (name, path, size, mtime) and the options that shape the shards."""
-    desc = {"sources": [[s.input, s.name, str(s.path.resolve()), s.kind, s.size, s.mtime_ns] for s in sources],
+    desc = {"sources": [[s.input, s.name, os.path.abspath(s.path), s.kind, s.size, s.mtime_ns]
+                        for s in sources],
             "options": opts.key_fields(), "tokenizer_file_sha256": tokenizer_sha}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode("utf-8")).hexdigest()
 
@@ -850,6 +875,7 @@ def _setup_tokenizer(opts: PrepareOptions, sources: list[Source],
 def _write_tokenizer(out: Path, setup: TokenizerSetup) -> None:
     for name, blob in setup.files.items():
         atomic_write_bytes(out / TOKENIZER_DIR / name, blob)
+        _publish(out / TOKENIZER_DIR / name)
 
 
 def _tokenizer_files_ok(out: Path, identity: dict[str, Any]) -> bytes | None:
@@ -932,6 +958,8 @@ def _build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[
     per_input: dict[str, dict[str, int]] = {}
     for s in sources:
         entry = per_input.setdefault(s.input, {"files": 0, "bytes": 0})
+        if s.input == "builtin":  # the built-in corpus depends on the interpreter: say which
+            entry["python"] = sys.version.split()[0]
         entry["files"] += 1
         entry["bytes"] += s.size
     return {"format": FORMAT, "tokenizer": identity, "dtype": dtype, "splits": splits,
@@ -939,6 +967,60 @@ def _build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[
             "sources": [{"input": k, **v} for k, v in per_input.items()],
             "errors": {"policy": opts.errors, **errors},
             "text_field": opts.text_field, "shard_tokens": opts.shard_tokens}
+
+
+class _WriterThread:
+    """Runs the shard writers on one thread, in task order, so writing, hashing and fsync overlap
+    the tokenizing (file writes, sha256 and numpy copies release the GIL)."""
+
+    def __init__(self, writers: dict[str, ShardWriter], eos_id: int, depth: int) -> None:
+        """Start the thread; at most ``depth`` results wait for it (bounded memory)."""
+        self.writers, self.eos_id = writers, eos_id
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="podtrain-prepare-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # keep draining so a blocked put() in the main thread returns
+            index, train, val, before = item
+            try:
+                self.writers["train"].write(index, train, self.eos_id, before)
+                if "val" in self.writers:
+                    self.writers["val"].write(index, val, self.eos_id, before)
+            except BaseException as exc:  # re-raised in the main thread, which owns the run
+                self.error = exc
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, index: int, train: np.ndarray, val: np.ndarray, before: dict[str, int]) -> None:
+        """Queue one task's tokens; raises what the thread hit earlier."""
+        self._raise()
+        self.queue.put((index, train, val, before))
+
+    def stop(self) -> None:
+        """Wait for every queued write to finish (the writers are the main thread's again)."""
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+    def finish(self) -> None:
+        """``stop`` and raise what the thread hit, if anything."""
+        self.stop()
+        self._raise()
+
+
+def _make_runner(spec: EncodeSpec, workers: int) -> Any:
+    # Byte-level "tokenizing" is one copy: a worker pool would spend more on pickling tokens
+    # through pipes than it offloads (measured 0.4x of inline with 2 workers), so bytes run inline
+    # and the writer thread supplies the second core.
+    if spec.kind == "byte":
+        return _Inline(spec)
+    return _Pool(spec, workers)
 
 
 def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
@@ -949,19 +1031,16 @@ def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
     Returns the number of tasks and the final error tallies.
     """
     workers = opts.workers or default_workers()
-    # One byte-level worker runs inline: the IPC would cost more than the work it moves.
-    runner: Any = _Inline(spec) if workers == 1 and spec.kind == "byte" else _Pool(spec, workers)
+    runner = _make_runner(spec, workers)
     errors = Counts(**start.errors_before)
     pending: deque[tuple[int, int, Callable[[], Any]]] = deque()
     window = 2 * workers  # bounded read-ahead: memory stays ~window x chunk_bytes
+    writer = _WriterThread(writers, spec.eos_id, depth=2)
 
     def consume() -> None:
         index, nbytes, get = pending.popleft()
         train, val, counts = get()
-        before = errors.as_dict()
-        writers["train"].write(index, train, spec.eos_id, before)
-        if "val" in writers:
-            writers["val"].write(index, val, spec.eos_id, before)
+        writer.put(index, train, val, errors.as_dict())
         errors.add(Counts(**counts))
         result.tasks_run += 1
         progress.advance(nbytes)
@@ -979,7 +1058,9 @@ def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
                 consume()
         while pending:
             consume()
+        writer.finish()
     finally:
+        writer.stop()  # before anything else touches the writers (abort, cleanup)
         runner.close()
     return n_tasks, errors.as_dict()
 
@@ -1017,6 +1098,7 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
+    lock = _lock_dir(out, created)
     _remove_temp_files(out)
     result = PrepareResult(out=out, manifest={}, input_bytes=input_bytes)
     writers: dict[str, ShardWriter] = {}
@@ -1055,6 +1137,7 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
         _check_not_empty(opts, writers)
         manifest = _build_manifest(opts, sources, identity, dtype, writers, errors)
         atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
+        _publish(out / MANIFEST_NAME)
         result.manifest = manifest
         result.shards_written = sum(w.written for w in writers.values())
     except UserError:
@@ -1068,8 +1151,23 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
         for w in writers.values():
             w.abort()
         _remove_temp_files(out)
+        os.close(lock)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _lock_dir(out: Path, created: bool) -> int:
+    """An exclusive lock on DATA_DIR for this run: two prepares into one directory (a command run
+    on every rank, a demo started twice) would interleave their shards."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        if created:
+            out.rmdir()
+        raise UserError(f"--out {out}: another `podtrain prepare` is writing this directory") from None
+    return fd
 
 
 def _reuse_or_setup(out: Path, key: str, state: dict[str, Any] | None, opts: PrepareOptions,
@@ -1115,7 +1213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"share of documents held out for validation (default {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
     parser.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
-                        help="undecodable UTF-8: stop (strict), replace with U+FFFD, or skip the document")
+                        help="undecodable UTF-8: stop with an error naming the file (strict, default), "
+                        "replace with U+FFFD, or skip the document (the piece, for files cut at "
+                        "--chunk-bytes); counted in the manifest")
     parser.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
