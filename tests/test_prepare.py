@@ -207,9 +207,11 @@ def test_second_run_skips_everything(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == mtimes
 
 
-def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe:300"])
+def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monkeypatch, tokenizer):
     make_corpus(tmp_path / "c")
-    ref = prep.prepare(opts([tmp_path / "c"], tmp_path / "ref"))
+    kw = {"tokenizer": tokenizer, "shard_tokens": 6000 if tokenizer == "byte" else 2500}
+    ref = prep.prepare(opts([tmp_path / "c"], tmp_path / "ref", **kw))
     finish = prep.ShardWriter._finish
     calls = []
 
@@ -221,15 +223,25 @@ def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monke
 
     monkeypatch.setattr(prep.ShardWriter, "_finish", dying_finish)
     with pytest.raises(KeyboardInterrupt):
-        prep.prepare(opts([tmp_path / "c"], tmp_path / "out"))
+        prep.prepare(opts([tmp_path / "c"], tmp_path / "out", **kw))
     assert not (tmp_path / "out/manifest.json").exists()
     assert not list((tmp_path / "out").rglob(".*.tmp"))
     assert len(list((tmp_path / "out").glob("*.bin"))) == 3
+    tok_file = tmp_path / "out/tokenizer/tokenizer.json"
+    tok_mtime = tok_file.stat().st_mtime_ns if tokenizer != "byte" else None
+    # The run restarts at the earliest task a split still needs (0 for a split with no shard done).
+    restart = min(max((json.loads(p.read_text())["next_task"]
+                       for p in (tmp_path / "out/.prepare").glob(f"{split}_*.json")), default=0)
+                  for split in ("train", "val"))
+    if tokenizer == "byte":
+        assert restart > 0
     monkeypatch.setattr(prep.ShardWriter, "_finish", finish)
-    res = prep.prepare(opts([tmp_path / "c"], tmp_path / "out"))
+    res = prep.prepare(opts([tmp_path / "c"], tmp_path / "out", **kw))
+    if tok_mtime is not None:  # the trained tokenizer was reused, not trained again
+        assert tok_file.stat().st_mtime_ns == tok_mtime
     assert res.shards_skipped == 3
     assert res.shards_written == ref.shards_written - 3
-    assert res.tasks_skipped > 0 and res.tasks_run < ref.tasks_run
+    assert (res.tasks_skipped, res.tasks_run) == (restart, ref.tasks_run - restart)
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "ref")
     assert (tmp_path / "out/manifest.json").read_bytes() == (tmp_path / "ref/manifest.json").read_bytes()
 
