@@ -19,9 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+# The demo starts from scratch each time (a kept runs/demo would auto-resume at its last step).
 demo: install
 	$(VENV)/bin/podtrain prepare builtin --out data/builtin
+	rm -rf runs/demo
 	$(VENV)/bin/podtrain launch local configs/demo.yaml --nproc $(NPROC)
+	$(VENV)/bin/podtrain sample runs/demo --prompt 'def ' --max-new-tokens 300
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

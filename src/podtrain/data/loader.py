@@ -309,3 +309,21 @@ def check_token_range(manifest: Manifest, model_vocab: int) -> None:
             if int(top) >= model_vocab:
                 raise UserError(f"shard {shard.path} holds token id {top}, at or above the model's "
                                 f"vocabulary size {model_vocab}")
+
+
+def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 50_000_000) -> float:
+    """Entropy in nats of the split's token frequencies (over its first ``max_tokens`` tokens).
+
+    The loss a model would reach by predicting every token from its frequency alone: a trained
+    model must get clearly below it to have learnt anything about context.
+    """
+    counts = np.zeros(manifest.vocab_size, dtype=np.int64)
+    budget = max_tokens
+    for shard in manifest.shards(split):
+        if budget <= 0:
+            break
+        tokens = np.memmap(shard.path, dtype=manifest.dtype, mode="r")[:budget]
+        counts += np.bincount(tokens, minlength=manifest.vocab_size)[:manifest.vocab_size]
+        budget -= len(tokens)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

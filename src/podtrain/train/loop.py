@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
 from podtrain.config import RunConfig, accumulation_steps, dump_config, load_config, to_dict
-from podtrain.data.loader import SampleIndex, ShardedLoader, check_token_range
+from podtrain.data.loader import SampleIndex, ShardedLoader, check_token_range, unigram_entropy
 from podtrain.data.manifest import read_manifest
 from podtrain.dist.env import ClusterEnv
 from podtrain.dist.group import DistContext, cap_cpu_threads, process_group
@@ -279,7 +279,19 @@ class Trainer:
                 interval.exclude(self._evaluate())
             if self.checkpointer.should_save(self.step, total):
                 interval.exclude(self._save())
+        self._summary()
         return self.result
+
+    def _summary(self) -> None:
+        """Rank 0's closing lines: final losses against the corpus's unigram entropy."""
+        if not self.ctx.is_main or self.result.final_loss is None:
+            return
+        entropy = unigram_entropy(self.loader.manifest)
+        val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
+        self.progress.note(
+            f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
+            f"{self.result.final_loss:.4f}, validation loss {val} nats | unigram entropy of the "
+            f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: "_Interval") -> None:
