@@ -868,6 +868,9 @@ def _setup_tokenizer(opts: PrepareOptions, sources: list[Source],
     if hf is not None:
         return _hf_setup(hf.tokenizer, hf.files)
     vocab = tokmod.parse_bpe_vocab(opts.tokenizer)
+    # Training has no progress bar of its own: say what the pause is.
+    print(f"prepare: training {opts.tokenizer} on up to {opts.bpe_train_bytes / 1e6:.0f} MB of train text",
+          file=sys.stderr)
     tok = tokmod.train_bpe(_train_texts(sources, opts), vocab)
     return _hf_setup(tok, {tokmod.TOKENIZER_FILE: tok.tok.to_str().encode("utf-8")})
 
