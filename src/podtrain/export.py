@@ -1,0 +1,126 @@
+"""``podtrain export RUN_DIR OUT_DIR``: a Hugging Face model folder from a run's newest checkpoint.
+
+The folder holds ``config.json``, ``model.safetensors`` and ``generation_config.json`` written by
+transformers' own ``save_pretrained`` (so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads
+it and gives the trained model's logits), the tokenizer files when the run's data directory has
+them (BPE or Hugging Face tokenizers; a byte-level run has none: ids are UTF-8 bytes, EOS 256), and
+``podtrain_export.json`` naming the run, the step and the tokenizer. The folder is written under a
+temporary name and renamed into place, so a killed export never leaves a half folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from podtrain import __version__
+from podtrain.checkpoint import build_model_from_checkpoint, load_latest, run_config_of
+from podtrain.errors import UserError
+
+EXPORT_INFO = "podtrain_export.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``podtrain export``."""
+    parser.add_argument("run_dir", help="run directory (holds ckpt/)")
+    parser.add_argument("out_dir", help="folder to write (must not exist, or be empty)")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and print one line saying what was written."""
+    info = export_run(Path(args.run_dir), Path(args.out_dir), force=args.force)
+    tok = info["tokenizer"]
+    print(f"exported step {info['step']} of {args.run_dir} to {args.out_dir} "
+          f"(tokenizer: {tok['kind']}{', files copied' if tok['files'] else ', no files'})")
+    return 0
+
+
+def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, Any]:
+    """Write the Hugging Face folder; returns what ``podtrain_export.json`` records."""
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise UserError(f"{out_dir} exists and is not empty (choose another OUT_DIR or pass --force)")
+    ckpt = load_latest(run_dir)
+    run_config = run_config_of(run_dir, ckpt)
+    model = build_model_from_checkpoint(ckpt, run_config)
+    tokenizer = _tokenizer_identity(run_config)
+    model.config.use_cache = True  # training turned the KV cache off; inference wants it
+    eos = tokenizer.get("eos_id")
+    if eos is not None:
+        model.config.eos_token_id = eos
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = eos
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        _save_quietly(model, tmp)
+        copied = _copy_tokenizer(run_config, tokenizer, tmp)
+        info = {"podtrain": __version__, "run_dir": str(run_dir), "checkpoint": str(ckpt.path),
+                "step": ckpt.step, "tokenizer": {**tokenizer, "files": copied}}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _save_quietly(model: Any, folder: Path) -> None:
+    """``save_pretrained`` without its progress bar on stderr (the CLI prints one line)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(folder), safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _data_dir(run_config: dict[str, Any]) -> Path | None:
+    path = (run_config.get("data") or {}).get("path")
+    return Path(path) if path else None
+
+
+def _tokenizer_identity(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer entry of the run's data manifest; kind "unknown" when the data is gone."""
+    data = _data_dir(run_config)
+    manifest = data / "manifest.json" if data else None
+    if manifest is None or not manifest.is_file():
+        return {"kind": "unknown", "note": f"data directory {data} not found: no tokenizer exported"}
+    ident = json.loads(manifest.read_text()).get("tokenizer", {})
+    return {k: ident.get(k) for k in ("kind", "name", "vocab_size", "eos_id", "files")}
+
+
+def _copy_tokenizer(run_config: dict[str, Any], tokenizer: dict[str, Any], out: Path) -> list[str]:
+    """Copy the data directory's tokenizer files next to the weights (where HF looks for them)."""
+    data = _data_dir(run_config)
+    files = tokenizer.get("files") or []
+    copied = []
+    for rel in files:
+        src = data / rel
+        if not src.is_file():
+            raise UserError(f"{src} is missing: the run's tokenizer cannot be exported")
+        shutil.copyfile(src, out / src.name)
+        copied.append(src.name)
+    if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
+        _write_tokenizer_config(out, tokenizer)
+        copied.append("tokenizer_config.json")
+    return copied
+
+
+def _write_tokenizer_config(out: Path, tokenizer: dict[str, Any]) -> None:
+    """A minimal tokenizer_config.json so ``AutoTokenizer.from_pretrained`` knows the EOS token."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = tok.id_to_token(int(tokenizer["eos_id"])) if tokenizer.get("eos_id") is not None else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+              "add_bos_token": False, "add_eos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

@@ -1,0 +1,141 @@
+"""`podtrain export` (loads in transformers with the same logits) and `podtrain sample`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from podtrain.checkpoint import Checkpointer
+from podtrain.cli import main
+from podtrain.config import CkptSection
+from podtrain.dist.env import ClusterEnv
+from podtrain.dist.group import DistContext
+from podtrain.model import build_model, preset_config
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
+         "for i in range(10):\n    print(i * i)\n"] * 20
+
+
+def _manifest(root: Path, tokenizer: dict) -> None:
+    arr = np.zeros(100, dtype=np.uint16)
+    arr.tofile(root / "train_00000.bin")
+    shard = {"file": "train_00000.bin", "tokens": 100, "documents": 1, "max_token_id": 0,
+             "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}
+    (root / "manifest.json").write_text(json.dumps({
+        "format": "podtrain-shards/1", "dtype": "uint16", "tokenizer": tokenizer,
+        "splits": {"train": {"tokens": 100, "documents": 1, "shards": [shard]}}}))
+
+
+def bpe_data(root: Path) -> Path:
+    """A data directory as `prepare --tokenizer bpe:300` leaves it (tokenizer/ + manifest)."""
+    from podtrain.data.tokenizer import train_bpe
+
+    tok = train_bpe(TEXTS, 300)
+    (root / "tokenizer").mkdir(parents=True)
+    blob = tok.tok.to_str().encode()
+    (root / "tokenizer" / "tokenizer.json").write_bytes(blob)
+    _manifest(root, {"kind": "bpe", "name": "bpe:300", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                     "files": ["tokenizer/tokenizer.json"], "sha256": hashlib.sha256(blob).hexdigest()})
+    return root
+
+
+def byte_data(root: Path) -> Path:
+    root.mkdir(parents=True)
+    _manifest(root, {"kind": "byte", "name": "byte", "vocab_size": 257, "eos_id": 256, "files": []})
+    return root
+
+
+def make_run(run_dir: Path, data: Path, vocab: int):
+    """A run directory with one checkpoint of a tiny model after a few training steps."""
+    model = build_model(preset_config("tiny", vocab), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, 256, (2, 33), generator=g)
+        model(input_ids=x[:, :-1], labels=x[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ctx = DistContext(env=ClusterEnv.detect({}), backend="gloo", device=torch.device("cpu"), initialized=False)
+    ck = Checkpointer(run_dir, CkptSection(), ctx)
+    ck.save(3, model, opt, None, {"step": 3, "tokens_seen": 0, "loader": {"epoch": 0, "consumed": 6},
+                                  "run_id": "r", "config": {"data": {"path": str(data)},
+                                                            "model": {"preset": "tiny"}}})
+    ck.close()
+    return model.eval()
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = bpe_data(tmp_path / "data")
+    model = make_run(tmp_path / "run", data, vocab=320)
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "podtrain_export.json"} <= {p.name for p in out.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    x = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model(input_ids=x).logits, loaded(input_ids=x).logits
+    assert torch.equal(want, got), f"max |diff| {(want - got).abs().max().item()}"
+    assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()  # still tied
+    from podtrain.data.tokenizer import load_tokenizer
+
+    ours, hf = load_tokenizer(data), AutoTokenizer.from_pretrained(str(out))
+    text = "def add(a, b):\n    return a"
+    assert hf.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert hf.eos_token_id == ours.eos_id == loaded.generation_config.eos_token_id
+    info = json.loads((out / "podtrain_export.json").read_text())
+    assert info["step"] == 3 and info["tokenizer"]["kind"] == "bpe"
+
+
+def test_export_of_a_byte_run_and_its_user_errors(tmp_path, capsys):
+    make_run(tmp_path / "run", byte_data(tmp_path / "data"), vocab=320)
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    assert not (out / "tokenizer.json").exists()
+    assert json.loads((out / "podtrain_export.json").read_text())["tokenizer"]["eos_id"] == 256
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 2  # exists, not empty
+    assert main(["export", str(tmp_path / "run"), str(out), "--force"]) == 0
+    assert main(["export", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("podtrain: error: ") for line in err)
+    assert "not empty" in err[0] and "does not exist" in err[1] and "no complete checkpoint" in err[2]
+    assert not list(tmp_path.glob(".hf.tmp-*"))
+
+
+def test_sample_prints_greedy_text_that_matches_the_model(tmp_path, capsys):
+    from podtrain.data.tokenizer import ByteTokenizer
+
+    model = make_run(tmp_path / "run", byte_data(tmp_path / "data"), vocab=320)
+    args = ["sample", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(args) == 0
+    text = capsys.readouterr().out.rstrip("\n")
+    ids = list(b"def ")
+    with torch.no_grad():  # greedy decoding by hand, no cache
+        for _ in range(12):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == 256:
+                break
+            ids.append(nxt)
+    assert text == ByteTokenizer().decode(ids)
+    sampled = ["sample", str(tmp_path / "run"), "--max-new-tokens", "16", "--seed", "3"]
+    assert main(sampled) == 0 and main(sampled) == 0
+    first, second = capsys.readouterr().out.split("\n")[:2]
+    assert first == second and first.startswith("def ")  # same seed, same text
+
+
+def test_sample_user_errors(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "nope")]) == 2
+    make_run(tmp_path / "run", tmp_path / "gone", vocab=320)
+    assert main(["sample", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "does not exist" in err[0] and "tokenizer not found" in err[1]

@@ -1,0 +1,231 @@
+"""Resume: kill -9 during saves never yields a bad choice; golden resume under torchrun."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from podtrain.checkpoint import Checkpointer, read_checkpoint
+from podtrain.ckpt import layout
+from podtrain.ckpt.tensorio import read_safetensors
+from podtrain.config import CkptSection
+from podtrain.dist.env import ClusterEnv
+from podtrain.dist.group import DistContext
+
+
+# -- kill -9 at random moments during saves --------------------------------------------------------
+def _ctx() -> DistContext:
+    return DistContext(env=ClusterEnv.detect({}), backend="gloo", device=torch.device("cpu"),
+                       initialized=False)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 256))  # ~2.2 MB
+
+
+def _saver(run_dir: str, report_fd: int) -> None:
+    """Child: resume, then step and save forever; every weight equals the step it was saved at."""
+    torch.set_num_threads(1)
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    ck = Checkpointer(Path(run_dir), CkptSection(keep_last=2, keep_every=0), _ctx())
+    state = ck.restore(net, opt, None)
+    step = state["step"] if state else 0
+    os.write(report_fd, b"ready\n")
+    while True:
+        step += 1
+        net(torch.ones(2, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.fill_(float(step))
+        ck.save(step, net, opt, None, {"step": step, "loader": {"epoch": 0, "consumed": step}})
+        if step % 2 == 0:  # otherwise the next save waits: the async overlap is exercised too
+            ck.wait()
+            os.write(report_fd, f"{step}\n".encode())
+
+
+def _check_choice(root: Path, durable: int) -> int:
+    """The resume choice is complete and consistent, and no older than the last durable save."""
+    for _, path in layout.list_checkpoints(root):  # a step_* name only ever holds a whole one
+        assert layout.verify(path).ok, f"{path} is named like a checkpoint but is not complete"
+    choice = layout.find_latest_valid(root)
+    if choice.path is None:
+        assert durable == 0
+        return 0
+    data = read_checkpoint(choice.path, choice.manifest)
+    step = choice.step
+    assert step >= durable, f"chose step {step}, but step {durable} was reported durable"
+    assert all(torch.equal(t, torch.full_like(t, float(step))) for t in data.model_state.values())
+    assert data.state["train_state"]["step"] == step
+    adam_steps = {float(s["step"]) for s in data.state["optimizer"]["state"].values()}
+    assert len(adam_steps) == 1  # optimizer state from one moment, never torn
+    return step
+
+
+def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
+    warm = torch.optim.AdamW(_net().parameters())  # first use imports torch._dynamo: not per child
+    warm.step()
+    rng = random.Random(1234)
+    ctx = mp.get_context("fork")
+    durable, chosen = 0, []
+    started = time.monotonic()
+    for trial in range(20):
+        read_fd, write_fd = os.pipe()
+        proc = ctx.Process(target=_saver, args=(str(tmp_path), write_fd), daemon=True)
+        proc.start()
+        os.close(write_fd)
+        with os.fdopen(read_fd) as fh:
+            assert select.select([fh], [], [], 30)[0] and fh.readline() == "ready\n"
+            time.sleep(rng.uniform(0.0, 0.5))  # anywhere in a save: tensors, manifest, rename, retention
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            reported = [int(line) for line in fh.read().split()]
+        durable = max([durable, *reported])
+        chosen.append(_check_choice(tmp_path / "ckpt", durable))
+        if time.monotonic() - started > 15:
+            break
+    assert chosen == sorted(chosen), "a resumed run never goes back in time"
+    assert chosen[-1] >= 4, f"too few saves happened to mean anything: {chosen}"
+
+
+# -- golden resume under torchrun ------------------------------------------------------------------
+STEPS = 10
+OVERRIDES = ["train.steps=%d" % STEPS, "train.micro_batch_size=2", "train.global_batch_size=8",
+             "data.seq_len=64", "optim.warmup_steps=2", "eval.every=0", "ckpt.every=3",
+             "log.every=1", "log.progress=plain", "monitor.watchdog=false",
+             "monitor.straggler_every=0", "run.seed=5"]
+
+
+def make_data(root: Path) -> Path:
+    """Byte-level shards of repeated random "words": the loss falls and stays well above zero."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 256, size=(64, 6))
+    splits = {}
+    for split, n in (("train", 30000), ("val", 3000)):
+        arr = words[rng.integers(0, 64, size=n // 6)].reshape(-1).astype(np.uint16)
+        arr.tofile(root / f"{split}_00000.bin")
+        splits[split] = {"tokens": int(arr.size), "documents": 1, "shards": [{
+            "file": f"{split}_00000.bin", "tokens": int(arr.size), "documents": 1,
+            "max_token_id": int(arr.max()), "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}]}
+    (root / "manifest.json").write_text(json.dumps({
+        "format": "podtrain-shards/1", "dtype": "uint16", "splits": splits,
+        "tokenizer": {"kind": "byte", "name": "byte", "vocab_size": 257, "eos_id": 256, "files": []}}))
+    return root
+
+
+def launch(repo: Path, run_dir: Path, data: Path, *extra: str, env: dict | None = None,
+           max_restarts: int = 0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "podtrain.cli", "launch", "local", str(repo / "configs/demo.yaml"),
+           "--nproc", "2", "--max-restarts", str(max_restarts), f"run.dir={run_dir}",
+           f"data.path={data}", *OVERRIDES, *extra]
+    return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish within {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss; a step logged twice (before and after a restart) keeps the last."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train":
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return read_safetensors(run_dir / "ckpt" / layout.step_name(STEPS) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    """The uninterrupted 2-rank run every interrupted one must reproduce."""
+    repo = Path(__file__).resolve().parents[1]
+    base = tmp_path_factory.mktemp("golden")
+    data = make_data(base / "data")
+    code, out = finish(launch(repo, base / "run", data))
+    assert code == 0, out[-3000:]
+    return {"repo": repo, "data": data, "losses": losses(base / "run"),
+            "weights": final_weights(base / "run")}
+
+
+def assert_matches_golden(golden: dict, run_dir: Path, resumed_from: int) -> None:
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    after = {s: got[s] for s in got if s > resumed_from}
+    expected = {s: golden["losses"][s] for s in after}
+    assert after == expected, "per-step losses after the resume differ from the uninterrupted run"
+    weights = final_weights(run_dir)
+    assert weights.keys() == golden["weights"].keys()
+    differ = [k for k in weights if not torch.equal(weights[k], golden["weights"][k])]
+    assert not differ, f"final weights differ from the uninterrupted run: {differ[:3]}"
+
+
+def resumed_step(output: str) -> int:
+    import re
+
+    found = re.findall(r"resumed from \S+step_(\d+) \(step", output)
+    assert found, f"the run did not resume from a checkpoint:\n{output[-3000:]}"
+    return int(found[-1])
+
+
+@pytest.mark.e2e
+def test_golden_resume_after_sigkill_of_one_rank_mid_step(golden, tmp_path):
+    marker = tmp_path / "fault-fired"
+    fault = f"action=kill,rank=1,step=5,delay=0.05,once={marker}"
+    proc = launch(golden["repo"], tmp_path / "run", golden["data"], max_restarts=1,
+                  env={"PODTRAIN_FAULT": fault, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    code, out = finish(proc)
+    assert code == 0, out[-3000:]
+    assert marker.exists(), "the fault never fired"
+    k = resumed_step(out)
+    assert k == 3, f"expected to resume from the step-3 checkpoint, got {k}"
+    assert_matches_golden(golden, tmp_path / "run", k)
+
+
+@pytest.mark.e2e
+def test_golden_resume_after_sigterm_to_the_launcher(golden, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(golden["repo"], run_dir, golden["data"])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    code, out = finish(proc)
+    assert code != 0, "a stopped run must not report success"
+    assert "stop requested (SIGTERM)" in out and "exiting with 143" in out, out[-3000:]
+    stopped = int((run_dir / "ckpt" / "latest").read_text().strip().split("_")[1])
+    assert 2 <= stopped < STEPS, f"the run was not stopped early (latest checkpoint {stopped})"
+    code, out = finish(launch(golden["repo"], run_dir, golden["data"]))
+    assert code == 0, out[-3000:]
+    assert resumed_step(out) == stopped
+    assert_matches_golden(golden, run_dir, stopped)
