@@ -237,6 +237,11 @@ class Trainer:
 
     def _log_start(self) -> None:
         cfg, ctx, size = self.cfg, self.ctx, self.size
+        if ctx.env.local_rank == 0:
+            # One line per node, printed even where ranks log warnings only: the topology users got.
+            from podtrain.launch.placement import placement_line
+
+            print(placement_line(ctx), flush=True)
         log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s", __version__,
                  ctx.world_size, ctx.backend, ctx.device.type, self.precision.name)
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
@@ -254,7 +259,7 @@ class Trainer:
         self.progress = Progress(cfg.log.progress, total, self.step, enabled=ctx.is_main)
         interval = _Interval(time.perf_counter())
         while self.step < total:
-            if self.stop_signal.should_stop(ctx):
+            if self.stop_signal.should_stop(ctx, self.step):
                 return self._stop_for_signal()
             batch = self.loader.next()
             set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
