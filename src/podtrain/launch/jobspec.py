@@ -1,0 +1,131 @@
+"""What the cluster launchers (Slurm, Kubernetes) share: the checks made before anything is written.
+
+A cluster job that dies an hour later on a typo in the training config, or because the global batch
+does not divide over the nodes it got, is the failure these launchers exist to prevent. So every
+launcher builds a ``JobSpec`` first: it loads and validates the training config, checks it against
+the job's world size, and resolves the GPUs per node; only then is a script or manifest written.
+The resolved config is shipped inside the script or manifest, so what runs on the cluster is
+exactly what was validated here, even if the YAML file is edited after submission.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from podtrain.config import RunConfig, accumulation_steps, load_config, to_dict
+from podtrain.errors import UserError
+from podtrain.launch.instances import InstanceType, lookup, resolve_gpus
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated multi-node job: how many nodes and processes, and the training config.
+
+    Attributes:
+        nodes: nodes (Slurm nodes or Kubernetes worker pods), at least 1.
+        nproc_per_node: training processes per node (one per GPU, or CPU ranks).
+        gpus_per_node: GPUs per node; 0 for a CPU partition.
+        instance: the instance-type preset, or None.
+        cfg: the validated training config.
+    """
+
+    nodes: int
+    nproc_per_node: int
+    gpus_per_node: int
+    instance: InstanceType | None
+    cfg: RunConfig
+
+    @property
+    def world_size(self) -> int:
+        """Training processes in the whole job."""
+        return self.nodes * self.nproc_per_node
+
+    def fabric_env(self) -> dict[str, str]:
+        """EFA/libfabric variables for this job's instance type (none on CPU or without EFA)."""
+        if self.instance is None or self.gpus_per_node == 0:
+            return {}
+        return self.instance.fabric_env()
+
+
+def build_spec(config: str, overrides: Sequence[str], nodes: int, gpus_per_node: int | None,
+               nproc_per_node: int | None, instance_type: str | None,
+               min_nodes: int | None = None) -> JobSpec:
+    """Validate the launch flags and the training config; raise UserError on the first problem.
+
+    ``min_nodes`` is the smallest world an elastic job may shrink to; the batch arithmetic must
+    work for every node count between it and ``nodes``.
+    """
+    if nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {nodes}")
+    instance = lookup(instance_type) if instance_type else None
+    gpus = resolve_gpus(instance, gpus_per_node)
+    nproc = _resolve_nproc(gpus, nproc_per_node)
+    cfg = load_config(config, overrides)
+    low = nodes if min_nodes is None else min_nodes
+    if not 1 <= low <= nodes:
+        raise UserError(f"--min-nodes must be between 1 and --nodes ({nodes}), got {low}")
+    for n in range(low, nodes + 1):
+        accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, n * nproc)
+    return JobSpec(nodes=nodes, nproc_per_node=nproc, gpus_per_node=gpus, instance=instance, cfg=cfg)
+
+
+def _resolve_nproc(gpus: int, nproc: int | None) -> int:
+    if gpus == 0:
+        if nproc is None:
+            raise UserError("--gpus-per-node 0 (a CPU partition) needs --nproc-per-node P")
+        if nproc < 1:
+            raise UserError(f"--nproc-per-node must be at least 1, got {nproc}")
+        return nproc
+    if nproc is None:
+        return gpus
+    if not 1 <= nproc <= gpus:
+        raise UserError(f"--nproc-per-node {nproc} must be between 1 and --gpus-per-node ({gpus}): "
+                        "each process drives one GPU")
+    return nproc
+
+
+def absolute_paths(cfg: RunConfig, base: Path) -> dict[str, str]:
+    """``run.dir`` and ``data.path`` made absolute against ``base`` (the submit directory).
+
+    Nodes may start in another working directory (a container's, a pod's), so relative paths are
+    pinned here, where the user meant them.
+    """
+    return {key: str((base / value).resolve()) if not Path(value).is_absolute() else value
+            for key, value in (("run.dir", cfg.run.dir), ("data.path", cfg.data.path))}
+
+
+def config_yaml(cfg: RunConfig, updates: dict[str, object] | None = None) -> str:
+    """The resolved config as YAML, with dotted ``updates`` applied (e.g. ``{"run.dir": ...}``)."""
+    data = to_dict(cfg)
+    for key, value in (updates or {}).items():
+        section, leaf = key.split(".")
+        data[section][leaf] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+# registry[:port]/path/name[:tag][@sha256:digest]; the tag is on the last path component.
+_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def check_image(image: str, flag: str = "--image") -> None:
+    """UserError unless ``image`` names a tag or digest: an untagged image means ``:latest``,
+    which changes under a running job, so restarted pods could run different code."""
+    if not image or any(c.isspace() for c in image):
+        raise UserError(f"{flag} {image!r} is not a container image name")
+    if _DIGEST.search(image):
+        return
+    last = image.replace("#", "/").rsplit("/", 1)[-1]  # pyxis writes registry#image
+    if ":" not in last or last.endswith(":"):
+        raise UserError(f"{flag} {image} has no tag: name one (e.g. {image.rstrip(':')}:v1) "
+                        "or a digest, so every node runs the same image")
+
+
+def dns_label(text: str, limit: int = 50) -> str:
+    """``text`` as a Kubernetes/Slurm-friendly name: lower case, [a-z0-9-], trimmed."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    return name[:limit].rstrip("-") or "podtrain"

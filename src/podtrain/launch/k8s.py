@@ -1,0 +1,377 @@
+"""``podtrain launch k8s CONFIG --nodes N --gpus-per-node G --image IMAGE``: a Kubernetes job.
+
+Writes two YAML documents: a ConfigMap holding the validated training config, and either a
+Kubeflow ``PyTorchJob`` (kubeflow.org/v1, the default) or SageMaker HyperPod's
+``HyperPodPyTorchJob`` (``--kind hyperpod``). What the PyTorchJob gets right:
+
+* ``elasticPolicy`` with c10d rendezvous, min/max replicas and ``maxRestarts``, and
+  ``nprocPerNode``: the training operator turns them into the ``PET_*`` variables torchrun reads.
+* The worker waits until the rendezvous host's pod DNS name resolves (it appears a few seconds
+  after the pods start) instead of failing the rendezvous, and passes its pod IP as
+  ``--local-addr`` so the ranks are told addresses, not names that may not resolve yet.
+* Resources ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` (without the EFA devices NCCL quietly
+  falls back to TCP sockets), a memory-backed ``/dev/shm``, the shared-storage claim mounted where
+  the run directory lives, and the EFA/NCCL environment of the instance type.
+* ``--hyperpod``: HyperPod's job auto-resume annotations and a node affinity for nodes that passed
+  its health checks.
+
+``validate_pytorchjob`` checks a manifest against the PyTorchJob CRD schema (jsonschema) and
+rejects fields the schema does not name (the schema alone lets a misspelt field through);
+``validate_pod_template`` checks the pod template against the core Kubernetes schema, offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+
+from podtrain.errors import UserError
+from podtrain.launch.jobspec import JobSpec, build_spec, check_image, config_yaml, dns_label
+
+CONFIG_DIR = "/etc/podtrain"
+RDZV_PORT = 29400
+HYPERPOD_AGENT_PORT = 8080  # the HyperPod elastic agent listens here
+HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
+MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``podtrain launch k8s``."""
+    parser.add_argument("config", help="YAML training config (validated now, shipped in a ConfigMap)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--nodes", type=int, required=True, help="worker pods (one per node)")
+    parser.add_argument("--min-nodes", type=int, default=None,
+                        help="elastic minimum of worker pods (default: --nodes)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per pod (0: CPU only, then give --nproc-per-node)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="training processes per pod (default: one per GPU)")
+    parser.add_argument("--instance-type", default=None,
+                        help="preset filling GPUs and EFA devices, e.g. p5.48xlarge")
+    parser.add_argument("--efa", type=int, default=None,
+                        help="EFA devices per pod (default: the instance type's)")
+    parser.add_argument("--image", required=True, help="container image with podtrain, tagged")
+    parser.add_argument("--kind", choices=("pytorchjob", "hyperpod"), default="pytorchjob",
+                        help="pytorchjob (Kubeflow) or hyperpod (HyperPodPyTorchJob)")
+    parser.add_argument("--name", default=None, help="job name (default: podtrain-RUN)")
+    parser.add_argument("--namespace", default=None,
+                        help="namespace (default: kubeflow with --hyperpod, else none)")
+    parser.add_argument("--pvc", default=None, help="shared-storage claim (e.g. FSx) for the run")
+    parser.add_argument("--mount", default="/fsx", help="where the claim is mounted (default /fsx)")
+    parser.add_argument("--shm-size", default="32Gi", help="memory-backed /dev/shm size (default 32Gi)")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="torchrun restarts of the worker group (default 3)")
+    parser.add_argument("--join-timeout", type=int, default=600,
+                        help="seconds torchrun waits for all pods at rendezvous (default 600)")
+    parser.add_argument("--hyperpod", action="store_true",
+                        help="HyperPod job auto-resume annotations and healthy-node affinity")
+    parser.add_argument("--max-retry", type=int, default=10,
+                        help="HyperPod job auto-resume retries (default 10)")
+    parser.add_argument("--output", "-o", default="-",
+                        help="where to write the manifest (default: standard output)")
+
+
+def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Validate flags and config, then return ``[ConfigMap, job]``; UserError on bad input."""
+    check_image(args.image)
+    spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
+                      args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes)
+    hyperpod = args.hyperpod or args.kind == "hyperpod"
+    name = dns_label(args.name or f"podtrain-{Path(spec.cfg.run.dir).name}", limit=40)
+    namespace = _namespace(args.namespace, hyperpod)
+    paths = _shared_paths(spec, args.pvc, args.mount)
+    if args.max_restarts < 0 or args.join_timeout < 1 or args.max_retry < 0:
+        raise UserError("--max-restarts and --max-retry must be >= 0, --join-timeout >= 1")
+    efa = _efa_count(spec, args.efa)
+    config_map = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _metadata(f"{name}-config", namespace, spec),
+        "data": {"config.yaml": config_yaml(spec.cfg, paths)},
+    }
+    template = pod_template(spec, args, name, paths["run.dir"], efa, hyperpod)
+    if args.kind == "hyperpod":
+        job = _hyperpod_job(spec, args, name, namespace, template)
+    else:
+        job = _pytorch_job(spec, args, name, namespace, template, hyperpod)
+    return [config_map, job]
+
+
+def _namespace(namespace: str | None, hyperpod: bool) -> str | None:
+    if not hyperpod:
+        return namespace
+    namespace = namespace or "kubeflow"
+    # HyperPod only auto-resumes jobs in these namespaces.
+    if namespace != "kubeflow" and not namespace.startswith("hyperpod"):
+        raise UserError(f"--namespace {namespace}: HyperPod auto-resume needs the kubeflow "
+                        "namespace or one whose name starts with 'hyperpod'")
+    return namespace
+
+
+def _shared_paths(spec: JobSpec, pvc: str | None, mount: str) -> dict[str, str]:
+    """run.dir and data.path as the pods see them: relative paths live on the shared claim."""
+    if not PurePosixPath(mount).is_absolute():
+        raise UserError(f"--mount {mount} must be an absolute path")
+    run_dir, data = spec.cfg.run.dir, spec.cfg.data.path
+    if pvc is None:
+        if spec.nodes > 1:
+            raise UserError("--nodes > 1 needs --pvc CLAIM: every pod must see the run directory "
+                            "(rank 0 writes checkpoints, all ranks read them)")
+        return {"run.dir": run_dir, "data.path": data}
+    resolved = {key: value if PurePosixPath(value).is_absolute() else str(PurePosixPath(mount) / value)
+                for key, value in (("run.dir", run_dir), ("data.path", data))}
+    if not PurePosixPath(resolved["run.dir"]).is_relative_to(mount):
+        raise UserError(f"run.dir {run_dir} is not under --mount {mount}: checkpoints would be "
+                        "written inside a pod and lost when it restarts")
+    return resolved
+
+
+def _efa_count(spec: JobSpec, efa: int | None) -> int:
+    if efa is not None:
+        if efa < 0:
+            raise UserError(f"--efa must be 0 or more, got {efa}")
+        return efa
+    if spec.instance is None or spec.gpus_per_node == 0:
+        return 0
+    return spec.instance.efa
+
+
+def _metadata(name: str, namespace: str | None, spec: JobSpec) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {
+        "app.kubernetes.io/name": "podtrain", "podtrain/run": dns_label(Path(spec.cfg.run.dir).name)}}
+    if namespace:
+        meta["namespace"] = namespace
+    return meta
+
+
+def worker_script(hyperpod_kind: bool, spec: JobSpec, args: argparse.Namespace) -> str:
+    """The shell command each worker pod runs (``bash -c``).
+
+    The PyTorchJob variant leaves nnodes, rendezvous and restarts to the ``PET_*`` variables the
+    training operator sets from ``elasticPolicy``.
+    """
+    if hyperpod_kind:
+        return (
+            "set -euo pipefail\n"
+            "# hyperpodrun: HyperPod's torchrun (pip hyperpod-elastic-agent), talking to its operator.\n"
+            f"exec hyperpodrun --nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node} "
+            "--tee=3 --log_dir=/tmp/hyperpod -m podtrain.cli train \"$PODTRAIN_CONFIG\"\n")
+    return (
+        "set -euo pipefail\n"
+        "# Pod DNS names are published a few seconds after the pods start: wait for the\n"
+        "# rendezvous host's name instead of failing the rendezvous on it.\n"
+        'host="${PET_RDZV_ENDPOINT%:*}"\n'
+        "for _ in $(seq 1 300); do getent hosts \"$host\" >/dev/null && break; sleep 1; done\n"
+        "getent hosts \"$host\" >/dev/null || "
+        "{ echo \"podtrain: rendezvous host $host does not resolve\" >&2; exit 1; }\n"
+        "# torchrun takes nnodes, rendezvous and max-restarts from the operator's PET_* variables;\n"
+        "# nproc is explicit because operator versions disagree on PET_NPROC_PER_NODE.\n"
+        f"exec python3 -m torch.distributed.run --nproc-per-node={spec.nproc_per_node} "
+        '--local-addr="$POD_IP" -m podtrain.cli train "$PODTRAIN_CONFIG"\n')
+
+
+def _environment(spec: JobSpec, run_dir: str) -> list[dict[str, Any]]:
+    env: dict[str, str] = {
+        "PODTRAIN_CONFIG": f"{CONFIG_DIR}/config.yaml",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # reliable worker-group restarts
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        # Flight recorder (torch >= 2.7 names): last collectives dumped on a timeout.
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/debug/nccl_trace_rank_",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if spec.gpus_per_node:
+        env["NCCL_SOCKET_IFNAME"] = "^lo,docker,veth"
+    env.update(spec.fabric_env())
+    items: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    items.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return items
+
+
+def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: str, efa: int,
+                 hyperpod: bool) -> dict[str, Any]:
+    """The worker pod template (a core ``PodTemplateSpec``)."""
+    hyperpod_kind = args.kind == "hyperpod"
+    limits: dict[str, Any] = {}
+    if spec.gpus_per_node:
+        limits["nvidia.com/gpu"] = spec.gpus_per_node
+    if efa:
+        limits["vpc.amazonaws.com/efa"] = efa
+    container: dict[str, Any] = {
+        "name": "pytorch",  # the training operator looks for this container name
+        "image": args.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["bash", "-c", worker_script(hyperpod_kind, spec, args)],
+        "env": _environment(spec, run_dir),
+        "ports": [{"name": "pytorchjob-port",
+                   "containerPort": HYPERPOD_AGENT_PORT if hyperpod_kind else RDZV_PORT}],
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "podtrain-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+    if limits:
+        container["resources"] = {"limits": dict(limits), "requests": dict(limits)}
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": args.shm_size}},
+        {"name": "podtrain-config", "configMap": {"name": f"{name}-config"}},
+    ]
+    if args.pvc:
+        container["volumeMounts"].append({"name": "shared", "mountPath": args.mount})
+        container["workingDir"] = args.mount
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": args.pvc}})
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if spec.instance is not None:
+        itype = spec.instance.name
+        pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type":
+                                    f"ml.{itype}" if hyperpod else itype}
+    if hyperpod:
+        pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": HEALTH_LABEL, "operator": "In", "values": ["Schedulable"]}]}]}}}
+    return {"metadata": {"labels": {"app.kubernetes.io/name": "podtrain"}}, "spec": pod_spec}
+
+
+def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,
+                 template: dict[str, Any], hyperpod: bool) -> dict[str, Any]:
+    meta = _metadata(name, namespace, spec)
+    if hyperpod:
+        meta["annotations"] = {AUTO_RESUME: "true", MAX_RETRY: str(args.max_retry)}
+    return {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta,
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": "c10d", "rdzvId": name, "rdzvPort": RDZV_PORT,
+                "rdzvConf": [{"key": "join_timeout", "value": str(args.join_timeout)}],
+                "minReplicas": args.min_nodes or spec.nodes, "maxReplicas": spec.nodes,
+                "maxRestarts": args.max_restarts,
+            },
+            # spec.nprocPerNode (a string) replaced elasticPolicy.nProcPerNode in operator v1.7.
+            "nprocPerNode": str(spec.nproc_per_node),
+            "pytorchReplicaSpecs": {"Worker": {
+                "replicas": spec.nodes,
+                "restartPolicy": "OnFailure",  # HyperPod auto-resume requires OnFailure
+                "template": template,
+            }},
+        },
+    }
+
+
+def _hyperpod_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,
+                  template: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "sagemaker.amazonaws.com/v1", "kind": "HyperPodPyTorchJob",
+        "metadata": _metadata(name, namespace, spec),
+        "spec": {
+            "nprocPerNode": str(spec.nproc_per_node),
+            "replicaSpecs": [{"name": "pods", "replicas": spec.nodes, "template": template}],
+            "runPolicy": {
+                "jobMaxRetryCount": args.max_retry,
+                "restartPolicy": {"numRestartBeforeFullJobRestart": args.max_restarts,
+                                  "maxFullJobRestarts": 1},
+                "cleanPodPolicy": "All",
+            },
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def crd_schema(crd_path: str | Path) -> dict[str, Any]:
+    """The ``openAPIV3Schema`` of the first version of a CustomResourceDefinition file."""
+    crd = yaml.safe_load(Path(crd_path).read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Paths in ``obj`` that ``schema`` does not name (what the API server would prune).
+
+    Walks ``properties``, map values (``additionalProperties``) and list ``items``; stops where
+    the schema keeps unknown fields or gives no structure (``metadata: {type: object}``).
+    """
+    if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(schema, dict):
+        return []
+    found: list[str] = []
+    if isinstance(obj, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, value in obj.items():
+            where = f"{path}.{key}" if path else key
+            if props is not None and key in props:
+                found += unknown_fields(value, props[key], where)
+            elif isinstance(extra, dict):
+                found += unknown_fields(value, extra, where)
+            elif props is not None:
+                found.append(where)
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, value in enumerate(obj):
+            found += unknown_fields(value, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def validate_pytorchjob(job: dict[str, Any], crd_path: str | Path) -> None:
+    """Raise ValueError when ``job`` breaks the PyTorchJob CRD schema or has unknown fields."""
+    import jsonschema
+
+    schema = crd_schema(crd_path)
+    errors = sorted(jsonschema.Draft4Validator(schema).iter_errors(job), key=lambda e: list(e.path))
+    if errors:
+        first = errors[0]
+        raise ValueError(f"PyTorchJob schema: {'.'.join(map(str, first.path))}: {first.message}")
+    extra = unknown_fields(job, schema)
+    if extra:
+        raise ValueError(f"PyTorchJob has fields its schema does not know: {', '.join(extra)}")
+
+
+def validate_pod_template(template: dict[str, Any], version: str | None = None) -> None:
+    """Validate a pod template against core Kubernetes (offline, strict: unknown fields fail)."""
+    import kubernetes_validate
+
+    version = version or kubernetes_validate.latest_version()
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
+                                  "metadata": {"name": "podtrain-check"}, "template": template},
+                                 version, strict=True)
+
+
+def job_pod_template(job: dict[str, Any]) -> dict[str, Any]:
+    """The worker pod template of a PyTorchJob or HyperPodPyTorchJob manifest."""
+    if job["kind"] == "PyTorchJob":
+        return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    return job["spec"]["replicaSpecs"][0]["template"]
+
+
+class _Dumper(yaml.SafeDumper):
+    """YAML with multi-line strings (the worker script) as readable literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    """The manifests as one multi-document YAML text (``kubectl apply -f`` reads it)."""
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, then write the manifests (standard output or --output)."""
+    docs = build_manifests(args)
+    try:  # optional dependency (pip install podtrain[k8s]); a failure here is a podtrain bug
+        validate_pod_template(job_pod_template(docs[1]))
+    except ImportError:
+        pass
+    text = to_yaml(docs)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+        print(f"podtrain: wrote {args.output} (kubectl apply -f {args.output})", file=sys.stderr)
+    return 0

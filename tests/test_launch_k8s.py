@@ -1,0 +1,221 @@
+"""``podtrain launch k8s``: manifests checked against the PyTorchJob CRD schema (unknown fields
+rejected) and the core Kubernetes schema (offline), bad input, and the worker command from the
+manifest run here, two "pods" with the environment the training operator gives them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster_fixtures import TINY_TRAINING, free_port, prepare_data, read_metrics
+from podtrain.cli import main
+from podtrain.config import load_config
+from podtrain.launch import k8s
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "demo.yaml")
+CRD = REPO.parent / "shared" / "specs" / "kubeflow.org_pytorchjobs.yaml"
+IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/podtrain:0.1.0"
+
+
+@pytest.fixture(scope="module")
+def crd_schema():
+    """The PyTorchJob CRD's openAPIV3Schema (skips when the spec file is absent)."""
+    if not CRD.is_file():
+        pytest.skip(f"PyTorchJob CRD not found at {CRD} (../shared/specs)")
+    return k8s.crd_schema(CRD)
+
+
+def generate(tmp_path: Path, *flags: str, overrides: tuple[str, ...] = ()) -> list[dict]:
+    """Run `podtrain launch k8s` into a file and return its YAML documents."""
+    out = tmp_path / "job.yaml"
+    assert main(["launch", "k8s", DEMO, "train.micro_batch_size=4", "train.global_batch_size=64",
+                 *overrides, "--output", str(out), *flags]) == 0
+    return list(yaml.safe_load_all(out.read_text()))
+
+
+def check_pytorchjob(job: dict, schema: dict) -> None:
+    """CRD schema, unknown fields, and the pod template against core Kubernetes."""
+    import jsonschema
+
+    jsonschema.Draft4Validator(schema).validate(job)
+    assert k8s.unknown_fields(job, schema) == []
+    k8s.validate_pytorchjob(job, CRD)
+    k8s.validate_pod_template(k8s.job_pod_template(job))
+
+
+def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
+    config_map, job = generate(tmp_path, "--nodes", "4", "--instance-type", "p5.48xlarge",
+                               "--image", IMAGE, "--pvc", "fsx-claim", "--mount", "/fsx",
+                               "--hyperpod", "--max-retry", "5",
+                               overrides=("train.global_batch_size=128",))
+    check_pytorchjob(job, crd_schema)
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert job["metadata"]["namespace"] == "kubeflow"
+    assert job["metadata"]["annotations"] == {
+        "sagemaker.amazonaws.com/enable-job-auto-resume": "true",
+        "sagemaker.amazonaws.com/job-max-retry-count": "5"}
+    policy = job["spec"]["elasticPolicy"]
+    assert (policy["rdzvBackend"], policy["minReplicas"], policy["maxReplicas"]) == ("c10d", 4, 4)
+    assert policy["maxRestarts"] == 3 and job["spec"]["nprocPerNode"] == "8"
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/fsx/runs/demo/debug/nccl_trace_rank_"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["shared"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["shm"] == "/dev/shm" and mounts["shared"] == "/fsx"
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In",
+         "values": ["Schedulable"]}]
+    # The validated config travels in the ConfigMap; run.dir lives on the shared claim.
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(config_map["data"]["config.yaml"])
+    cfg = load_config(cfg_file)
+    assert cfg.run.dir == "/fsx/runs/demo" and cfg.data.path == "/fsx/data/builtin"
+    assert config_map["metadata"]["name"] == volumes["podtrain-config"]["configMap"]["name"]
+
+
+def test_cpu_pytorchjob_without_gpus(tmp_path, crd_schema):
+    _, job = generate(tmp_path, "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0",
+                      "--nproc-per-node", "2", "--image", IMAGE, "--pvc", "shared",
+                      overrides=("train.global_batch_size=16",))
+    check_pytorchjob(job, crd_schema)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert "resources" not in pod["containers"][0] and "affinity" not in pod
+    assert job["spec"]["elasticPolicy"]["minReplicas"] == 1
+    assert "annotations" not in job["metadata"]
+
+
+def test_schema_checks_catch_misspelt_and_mistyped_fields(tmp_path, crd_schema):
+    _, job = generate(tmp_path, "--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE,
+                      "--pvc", "fsx")
+    misspelt = copy.deepcopy(job)
+    misspelt["spec"]["elasticPolicy"]["nprocPerNode"] = 8  # the CRD spells it nProcPerNode
+    assert k8s.unknown_fields(misspelt, crd_schema) == ["spec.elasticPolicy.nprocPerNode"]
+    with pytest.raises(ValueError, match="fields its schema does not know"):
+        k8s.validate_pytorchjob(misspelt, CRD)
+    mistyped = copy.deepcopy(job)
+    mistyped["spec"]["elasticPolicy"]["maxRestarts"] = "3"
+    with pytest.raises(ValueError, match="maxRestarts"):
+        k8s.validate_pytorchjob(mistyped, CRD)
+    bad_pod = copy.deepcopy(k8s.job_pod_template(job))
+    bad_pod["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(Exception, match="volumeMount"):
+        k8s.validate_pod_template(bad_pod)
+
+
+def test_hyperpod_kind(tmp_path):
+    _, job = generate(tmp_path, "--kind", "hyperpod", "--nodes", "2", "--instance-type",
+                      "p4de.24xlarge", "--image", IMAGE, "--pvc", "fsx",
+                      overrides=("train.global_batch_size=64",))
+    assert (job["apiVersion"], job["kind"]) == ("sagemaker.amazonaws.com/v1", "HyperPodPyTorchJob")
+    assert job["spec"]["nprocPerNode"] == "8" and job["spec"]["replicaSpecs"][0]["replicas"] == 2
+    assert job["spec"]["runPolicy"]["jobMaxRetryCount"] == 10
+    k8s.validate_pod_template(k8s.job_pod_template(job))
+    script = k8s.job_pod_template(job)["spec"]["containers"][0]["command"][2]
+    assert "hyperpodrun --nnodes=2 --nproc-per-node=8" in script
+
+
+BAD_INPUT = [
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", "podtrain"], "has no tag"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", "registry:5000/podtrain"], "has no tag"),
+    (["--nodes", "0", "--gpus-per-node", "8", "--image", IMAGE], "--nodes must be at least 1"),
+    (["--nodes", "2", "--instance-type", "g5.12xlarge", "--gpus-per-node", "8", "--image", IMAGE,
+      "--pvc", "fsx"], "does not fit --instance-type g5.12xlarge"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "optim.lr=fast"],
+     "config key 'optim.lr' expects a number"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE], "needs --pvc"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "run.dir=/scratch/r"],
+     "is not under --mount /fsx"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "--hyperpod",
+      "--namespace", "team-a"], "HyperPod auto-resume needs the kubeflow namespace"),
+    (["--nodes", "3", "--min-nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx",
+      "train.global_batch_size=96"], "not divisible"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_input_is_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
+    out = tmp_path / "job.yaml"
+    code = main(["launch", "k8s", DEMO, "train.micro_batch_size=4", "train.global_batch_size=64",
+                 *[f for f in flags if "=" in f], *[f for f in flags if "=" not in f],
+                 "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("podtrain: error: "), err
+    assert message in err, err
+    assert not out.exists()
+
+
+def operator_environment(job: dict, rdzv_endpoint: str) -> dict[str, str]:
+    """The variables Kubeflow's training operator (v1.9, elastic mode) adds to each worker pod,
+    computed from the manifest; only the rendezvous host differs (no cluster DNS here)."""
+    policy = job["spec"]["elasticPolicy"]
+    return {
+        "PYTHONUNBUFFERED": "0",
+        "PET_RDZV_ENDPOINT": rdzv_endpoint,
+        "PET_RDZV_BACKEND": policy["rdzvBackend"],
+        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+        "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+        "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+        "PET_RDZV_ID": policy["rdzvId"],
+        "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"]),
+    }
+
+
+@pytest.mark.e2e
+def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
+    data = prepare_data(tmp_path / "data")
+    mount = tmp_path / "fsx"  # stands for the shared claim, mounted at the same path in each pod
+    config_map, job = generate(tmp_path, "--nodes", "2", "--gpus-per-node", "0",
+                               "--nproc-per-node", "1", "--image", IMAGE, "--pvc", "shared",
+                               "--mount", str(mount), "--join-timeout", "60",
+                               overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=4",
+                                          "run.dir=runs/k8s", "train.global_batch_size=8"))
+    container = k8s.job_pod_template(job)["spec"]["containers"][0]
+    # What the kubelet provides: the ConfigMap mounted as a file, the pod IP, the working dir.
+    config_file = tmp_path / "configmap" / "config.yaml"
+    config_file.parent.mkdir()
+    config_file.write_text(config_map["data"]["config.yaml"])
+    mount.mkdir()
+    pod_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    pod_env.update(PODTRAIN_CONFIG=str(config_file), POD_IP="127.0.0.1")
+    endpoint = f"127.0.0.1:{free_port()}"
+    base = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    pods = [subprocess.Popen(container["command"], cwd=container["workingDir"],
+                             env={**base, **pod_env, **operator_environment(job, endpoint)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(2)]
+    outputs = []
+    try:
+        for pod in pods:
+            outputs.append(pod.communicate(timeout=150)[0])
+    finally:
+        for pod in pods:
+            if pod.poll() is None:
+                pod.kill()
+                pod.wait()
+    assert [p.returncode for p in pods] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    run_dir = mount / "runs" / "k8s"
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["world_size"] == 2 for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records)
