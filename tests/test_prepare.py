@@ -442,3 +442,13 @@ def test_load_tokenizer_from_bpe_data_dir_matches_trained(tmp_path):
     os.remove(tmp_path / "out/tokenizer/tokenizer.json")
     with pytest.raises(UserError, match=r"tokenizer.json is missing"):
         load_tokenizer(tmp_path / "out")
+
+
+def test_worker_that_cannot_start_fails_instead_of_hanging():
+    spec = prep.EncodeSpec("bpe", "{not a tokenizer", 0, "uint16", 0.0, "text", "strict")
+    pool = prep._Pool(spec, 1)
+    try:
+        with pytest.raises(RuntimeError, match="prepare worker process died or could not start"):
+            pool.submit([])()
+    finally:
+        pool.close()

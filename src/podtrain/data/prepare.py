@@ -42,6 +42,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -601,18 +603,31 @@ class _Inline:
 
 
 class _Pool:
-    """A spawn pool (no fork of a process that may hold tokenizer threads) with ordered results."""
+    """Spawned worker processes with ordered results.
+
+    Spawn, not fork: the main process may hold tokenizer threads (BPE training). And a
+    ProcessPoolExecutor, not multiprocessing.Pool: when a worker cannot start, the executor
+    raises BrokenProcessPool where Pool would respawn it forever.
+    """
 
     def __init__(self, spec: EncodeSpec, workers: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec,))
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init_worker, initargs=(spec,))
 
     def submit(self, task: Task) -> Callable[[], Any]:
-        return self.pool.apply_async(_run_in_worker, (task,)).get
+        future = self.pool.submit(_run_in_worker, task)
+
+        def get() -> Any:
+            try:
+                return future.result()
+            except BrokenProcessPool as exc:
+                raise RuntimeError("a prepare worker process died or could not start (when prepare() "
+                                   "is called from a script, guard it with `if __name__ == "
+                                   "'__main__':`)") from exc
+        return get
 
     def close(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------------- shard writing
