@@ -11,13 +11,14 @@ import contextlib
 import datetime
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from podtrain.dist.env import ClusterEnv
+from podtrain.dist.watchdog import CollectiveRecorder
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,14 @@ class DistContext:
         backend: "nccl" or "gloo".
         device: the device this rank computes on.
         initialized: whether a torch.distributed process group exists (world size > 1).
+        recorder: this rank's last collectives, dumped by the hang watchdog.
     """
 
     env: ClusterEnv
     backend: str
     device: torch.device
     initialized: bool
+    recorder: CollectiveRecorder = field(default_factory=CollectiveRecorder)
 
     @property
     def rank(self) -> int:
@@ -88,18 +91,21 @@ class DistContext:
     def barrier(self) -> None:
         """Wait for every rank (a no-op for one process)."""
         if self.initialized:
-            dist.barrier()
+            with self.recorder.begin("barrier"):
+                dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place across ranks and return it."""
         if self.initialized:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            with self.recorder.begin("all_reduce", tensor):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise max of ``tensor`` in place across ranks and return it."""
         if self.initialized:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            with self.recorder.begin("all_reduce", tensor):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -107,7 +113,8 @@ class DistContext:
         if not self.initialized:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        with self.recorder.begin("broadcast_object"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -115,7 +122,8 @@ class DistContext:
         if not self.initialized:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self.recorder.begin("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def any_true(self, flag: bool) -> bool:
@@ -123,7 +131,8 @@ class DistContext:
         if not self.initialized:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.recorder.begin("all_reduce", t):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def set_timeout(self, seconds: float) -> None:

@@ -1,0 +1,518 @@
+"""``podtrain doctor``: a preflight of the cluster before a long run, launched like training.
+
+Every rank collects facts about itself; rank 0 prints one line per check; every rank returns the
+same exit code (0 healthy, 1 a check failed), and each failure names the host and rank at fault:
+
+* versions: torch, CUDA and NCCL the same on every rank;
+* gpus: GPUs found on each host against ``--gpus-per-node`` (and enough for the local ranks);
+* efa: EFA/RDMA devices (/sys/class/infiniband, ``fi_info -p efa`` when installed), FI_PROVIDER;
+* network: interfaces up, and GLOO_/NCCL_SOCKET_IFNAME naming an interface that exists;
+* run dir: ``--run-dir`` writable from every rank, and every rank's file visible to every rank
+  (a shared filesystem, not a node-local path);
+* rendezvous: MASTER_ADDR:MASTER_PORT reachable before the group forms, then a barrier's time;
+* all_reduce: one checked all_reduce (element by element) and its busbw;
+* compute: a matmul benchmark per rank; a rank more than ``--slow-threshold`` (10%) slower
+  than the median fails. ``PODTRAIN_TEST_SLOW_RANK=R`` slows rank R (tests only).
+
+One process works too: the cross-rank checks then report that they had nothing to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from podtrain.dist.env import ClusterEnv, env_flag, launcher_variables
+from podtrain.errors import UserError
+
+SLOW_RANK_VAR = "PODTRAIN_TEST_SLOW_RANK"
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
+
+
+@dataclass
+class Check:
+    """One line of the report; ``culprits`` are the ``{"rank", "host"}`` at fault."""
+
+    name: str
+    status: str
+    detail: str
+    culprits: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts one rank gathers about itself (no collectives)
+# ---------------------------------------------------------------------------------------------
+
+
+def _nccl_version() -> str | None:
+    try:
+        if torch.cuda.is_available():
+            return ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        pass
+    return None
+
+
+def _ipv4(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (Linux SIOCGIFADDR), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def network_interfaces() -> list[dict[str, Any]]:
+    """This host's interfaces: name, state, MTU, speed (Mb/s) and IPv4 address where known."""
+    out = []
+    for _, name in socket.if_nameindex():
+        base = Path("/sys/class/net") / name
+        speed = _read(base / "speed")
+        out.append({"name": name, "state": _read(base / "operstate") or "?",
+                    "mtu": _read(base / "mtu"),
+                    "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit()
+                    and int(speed) > 0 else None,
+                    "ipv4": _ipv4(name)})
+    return out
+
+
+def efa_facts() -> dict[str, Any]:
+    """RDMA devices in /sys/class/infiniband and whether libfabric's fi_info sees EFA."""
+    ib = Path("/sys/class/infiniband")
+    devices = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    fi_info = None
+    if shutil.which("fi_info"):
+        try:
+            res = subprocess.run(["fi_info", "-p", "efa"], capture_output=True, text=True,
+                                 timeout=15)
+            fi_info = res.returncode == 0 and "provider: efa" in res.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            fi_info = False
+    return {"devices": devices, "fi_info_efa": fi_info}
+
+
+def local_facts(env: ClusterEnv) -> dict[str, Any]:
+    """Everything this rank reports about itself."""
+    fabric = launcher_variables()
+    return {
+        "rank": env.rank, "host": env.hostname, "local_rank": env.local_rank,
+        "local_world_size": env.local_world_size,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": _nccl_version(),
+        "python": sys.version.split()[0],
+        "gpus": torch.cuda.device_count(),
+        "efa": efa_facts(), "fi_provider": fabric.get("FI_PROVIDER"),
+        "socket_ifnames": {k: fabric[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                           if k in fabric},
+        "interfaces": network_interfaces(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (pure: they read the gathered facts, so every rank reaches the same verdict)
+# ---------------------------------------------------------------------------------------------
+
+
+def _who(fact: dict[str, Any]) -> dict[str, Any]:
+    return {"rank": fact["rank"], "host": fact["host"]}
+
+
+def _names(culprits: list[dict[str, Any]]) -> str:
+    return ", ".join(f"rank {c['rank']} on host {c['host']}" for c in culprits)
+
+
+def _per_host(facts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One fact set per host (its lowest rank's): host-wide facts are checked once per host."""
+    seen: dict[str, dict[str, Any]] = {}
+    for f in facts:
+        seen.setdefault(f["host"], f)
+    return list(seen.values())
+
+
+def check_versions(facts: list[dict[str, Any]]) -> Check:
+    """torch, CUDA and NCCL identical on every rank (rank 0's are the reference)."""
+    keys = ("torch", "cuda", "nccl")
+    ref = facts[0]
+    odd = [f for f in facts if any(f[k] != ref[k] for k in keys)]
+    desc = f"torch {ref['torch']}, CUDA {ref['cuda'] or 'none'}, NCCL {ref['nccl'] or 'none'}"
+    if odd:
+        diffs = "; ".join(f"rank {f['rank']} on host {f['host']} has " + ", ".join(
+            f"{k} {f[k]}" for k in keys if f[k] != ref[k]) for f in odd)
+        return Check("versions", FAIL, f"rank 0 has {desc}; {diffs}", [_who(f) for f in odd])
+    return Check("versions", OK, f"{desc} on every rank")
+
+
+def check_gpus(facts: list[dict[str, Any]], expected: int | None, backend: str) -> Check:
+    """GPUs found on each host against ``expected`` and against its local ranks (for nccl)."""
+    bad = []
+    for f in _per_host(facts):
+        if expected is not None and f["gpus"] != expected:
+            bad.append((f, expected))
+        elif expected is None and backend == "nccl" and f["gpus"] < f["local_world_size"]:
+            bad.append((f, f["local_world_size"]))  # one GPU per local rank at least
+    if bad:
+        detail = "; ".join(f"host {f['host']} (rank {f['rank']}) has {f['gpus']} GPU(s), "
+                           f"expected {want}" for f, want in bad)
+        return Check("gpus", FAIL, detail, [_who(f) for f, _ in bad])
+    counts = sorted({f["gpus"] for f in facts})
+    if counts == [0]:
+        return Check("gpus", INFO, "no GPU on any host (a CPU run)")
+    return Check("gpus", OK, f"{'/'.join(map(str, counts))} GPU(s) per host")
+
+
+def check_efa(facts: list[dict[str, Any]], expect_efa: bool) -> Check:
+    """EFA devices present where expected, and FI_PROVIDER=efa not set on a host without them."""
+    hosts = _per_host(facts)
+    missing = [f for f in hosts if not f["efa"]["devices"]]
+    # FI_PROVIDER=efa on a host without the device is a misconfiguration even when not expected.
+    culprits = [_who(f) for f in missing
+                if expect_efa or (f["fi_provider"] or "").lower() == "efa"]
+    if culprits:
+        return Check("efa", FAIL, "no EFA/RDMA device in /sys/class/infiniband (NCCL would fall "
+                     f"back to TCP sockets) on {_names(culprits)}", culprits)
+    first = hosts[0]
+    devices = ",".join(first["efa"]["devices"]) or "none"
+    fi = {None: "fi_info absent", True: "fi_info sees efa", False: "fi_info sees no efa"}[
+        first["efa"]["fi_info_efa"]]
+    return Check("efa", OK if first["efa"]["devices"] else INFO,
+                 f"devices {devices} ({fi}); FI_PROVIDER={first['fi_provider'] or 'unset'}")
+
+
+def check_network(facts: list[dict[str, Any]]) -> Check:
+    """Interfaces of rank 0's host; a *_SOCKET_IFNAME naming no interface of its host fails."""
+    bad = []
+    for f in facts:  # the variables are per rank, even if the interfaces are per host
+        names = {i["name"] for i in f["interfaces"]}
+        for var, value in f["socket_ifnames"].items():
+            # NCCL accepts prefixes and ^exclusions; only a plain list of names is checked.
+            wanted = [v for v in value.split(",") if v and not v.startswith(("^", "="))]
+            if wanted and not any(w in names or any(n.startswith(w) for n in names)
+                                  for w in wanted):
+                bad.append((f, f"{var}={value} but host {f['host']} (rank {f['rank']}) has "
+                            f"{sorted(names)}"))
+    if bad:
+        return Check("network", FAIL, "; ".join(msg for _, msg in bad), [_who(f) for f, _ in bad])
+    up = [i for i in facts[0]["interfaces"] if i["state"] in ("up", "unknown")]
+    desc = ", ".join(f"{i['name']}({i['ipv4'] or '-'}, mtu {i['mtu']}"
+                     + (f", {i['speed_mbps']} Mb/s" if i["speed_mbps"] else "") + ")" for i in up)
+    return Check("network", OK, f"host {facts[0]['host']}: {desc or 'no interface up'}")
+
+
+def check_run_dir(facts: list[dict[str, Any]], run_dir: str | None, world: int) -> Check:
+    """Every rank wrote its file, and every rank saw every rank's file."""
+    if run_dir is None:
+        return Check("run dir", INFO, "not checked (pass --run-dir)")
+    failed = [f for f in facts if f["run_dir"]["error"]]
+    if failed:
+        detail = "; ".join(f"rank {f['rank']} on host {f['host']}: {f['run_dir']['error']}"
+                           for f in failed)
+        return Check("run dir", FAIL, f"{run_dir} not writable: {detail}",
+                     [_who(f) for f in failed])
+    blind = [f for f in facts if len(f["run_dir"]["seen"]) < world]
+    if blind:
+        detail = "; ".join(f"rank {f['rank']} on host {f['host']} sees only ranks "
+                           f"{f['run_dir']['seen']}" for f in blind)
+        return Check("run dir", FAIL, f"{run_dir} is not shared by every node: {detail}",
+                     [_who(f) for f in blind])
+    return Check("run dir", OK, f"{run_dir} writable and shared by all {world} rank(s)")
+
+
+def check_compute(facts: list[dict[str, Any]], threshold: float) -> Check:
+    """A rank whose matmul time exceeds the median by more than ``threshold`` fails."""
+    times = [f["matmul_s"] for f in facts]
+    median = statistics.median(times)
+    slow = [f for f in facts if f["matmul_s"] > median * (1 + threshold)]
+    gflops = lambda f: f["matmul_flops"] / f["matmul_s"] / 1e9  # noqa: E731
+    med_gflops = facts[0]["matmul_flops"] / median / 1e9
+    if slow:
+        detail = "; ".join(
+            f"rank {f['rank']} on host {f['host']} is {100 * (f['matmul_s'] / median - 1):.0f}% "
+            f"slower than the median ({gflops(f):.1f} against {med_gflops:.1f} GFLOP/s)"
+            for f in slow)
+        return Check("compute", FAIL, detail, [_who(f) for f in slow])
+    spread = 100 * (max(times) / median - 1)
+    return Check("compute", OK, f"matmul {med_gflops:.1f} GFLOP/s median, slowest rank "
+                 f"+{spread:.0f}% (limit {100 * threshold:.0f}%)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps that talk to other ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_rendezvous(env: ClusterEnv, timeout_s: float) -> str | None:
+    """Connect to MASTER_ADDR:MASTER_PORT before joining the group; None or the error.
+
+    Rank 0 under srun hosts the store itself (it is not up yet), so only the others probe;
+    they retry until ``timeout_s``, as the store may start after them.
+    """
+    if env.world_size < 2 or env.rank == 0:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((env.master_addr, env.master_port), timeout=5):
+                return None
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                return f"{type(exc).__name__}: {exc}"
+            time.sleep(0.5)
+
+
+def write_run_dir(ctx: Any, run_dir: str | None) -> tuple[dict[str, Any], Path | None]:
+    """Each rank writes its file under ``run_dir``, waits for all, then lists what it sees.
+
+    Returns the result and the probe directory (which rank 0 removes once all have looked).
+    """
+    result: dict[str, Any] = {"error": None, "seen": []}
+    # A fresh directory per run, named by rank 0, so files of an earlier run cannot count.
+    token = ctx.broadcast_object(uuid.uuid4().hex if ctx.is_main else None)
+    probe = Path(run_dir or ".") / ".doctor" / token
+    if run_dir is not None:
+        try:
+            probe.mkdir(parents=True, exist_ok=True)
+            path = probe / f"rank{ctx.rank}"
+            path.write_text(ctx.env.hostname)
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    ctx.barrier()  # every rank has written (or failed) before anyone looks
+    if run_dir is not None:
+        with contextlib.suppress(OSError):
+            result["seen"] = sorted(int(p.name[4:]) for p in probe.iterdir()
+                                    if p.name.startswith("rank"))
+    return result, (probe if run_dir is not None else None)
+
+
+def barrier_time(ctx: Any, repeats: int = 5) -> float | None:
+    """Median seconds of a barrier (a round trip through every rank), or None for one rank."""
+    if not ctx.initialized:
+        return None
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ctx.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_seconds(ctx: Any, size: int, slow: bool, budget_s: float = 0.3,
+                   trial_s: float = 0.001) -> tuple[float, float]:
+    """``(seconds, flops)`` of one ``size`` x ``size`` matmul on this rank's device.
+
+    The best of many ~1 ms trials over ``budget_s``: a trial shorter than a scheduler time slice
+    usually runs uninterrupted, so the best one measures the device, not the other processes
+    sharing its cores (a healthy rank on a busy machine must not look slow). A device that is
+    slow all the time (throttled, degraded) is slow in every trial. ``slow`` (tests only) adds
+    50% to every trial.
+    """
+    dtype = torch.float32 if ctx.device.type == "cpu" else torch.bfloat16
+    a = torch.randn(size, size, device=ctx.device, dtype=dtype)
+    b = torch.randn(size, size, device=ctx.device, dtype=dtype)
+    sync = (lambda: None) if ctx.device.type == "cpu" else (
+        lambda: torch.accelerator.synchronize(ctx.device))
+    a @ b  # warm-up: allocations, kernels
+    sync()
+    start = time.perf_counter()
+    a @ b
+    sync()
+    reps = max(1, int(trial_s / max(1e-7, time.perf_counter() - start)))
+    best, trials, deadline = float("inf"), 0, time.perf_counter() + budget_s
+    while trials < 20 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        elapsed = time.perf_counter() - start
+        if slow:
+            time.sleep(0.5 * elapsed)
+            elapsed = time.perf_counter() - start
+        best = min(best, elapsed / reps)
+        trials += 1
+    return best, 2.0 * size ** 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The doctor
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DoctorOptions:
+    """What to check (see ``add_arguments``)."""
+
+    run_dir: str | None = None
+    gpus_per_node: int | None = None
+    expect_efa: bool = False
+    allreduce_bytes: int = 64 << 20
+    min_busbw: float | None = None
+    matmul_size: int | None = None
+    slow_threshold: float = 0.10
+
+
+@dataclass
+class DoctorReport:
+    """The checks (the same on every rank) and where they ran."""
+
+    checks: list[Check]
+    world_size: int
+    hosts: list[str]
+
+    @property
+    def failed(self) -> list[Check]:
+        """The checks that failed."""
+        return [c for c in self.checks if c.status == FAIL]
+
+    def format(self) -> str:
+        """One line per check, then the verdict naming the ranks and hosts at fault."""
+        lines = [f"podtrain doctor: {self.world_size} rank(s) on {len(self.hosts)} host(s)"]
+        lines += [f"[{c.status:<4}] {c.name:<10} {c.detail}" for c in self.checks]
+        if self.failed:
+            lines.append(f"doctor: FAIL ({len(self.failed)} check(s)): " + "; ".join(
+                f"{c.name}: {_names(c.culprits) or c.detail}" for c in self.failed))
+        else:
+            lines.append("doctor: OK")
+        return "\n".join(lines)
+
+
+def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
+    """Run every check on this rank (call on every rank); every rank gets the same report."""
+    facts = local_facts(ctx.env)
+    facts["run_dir"], probe_dir = write_run_dir(ctx, opts.run_dir)
+    barrier_s = barrier_time(ctx)
+    allreduce = _allreduce_check(ctx, opts)
+    size = opts.matmul_size or (512 if ctx.device.type == "cpu" else 4096)
+    slow_rank = (env_flag(SLOW_RANK_VAR) or "").strip()
+    ctx.barrier()  # every rank benchmarks at the same time, as they will when training
+    facts["matmul_s"], facts["matmul_flops"] = matmul_seconds(ctx, size,
+                                                              slow=slow_rank == str(ctx.rank))
+    everyone = ctx.all_gather_object(facts)  # also: every rank has listed the run dir
+    if ctx.is_main and probe_dir is not None:
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # .doctor itself, unless another doctor runs
+            probe_dir.parent.rmdir()
+    hosts = {f["rank"]: f["host"] for f in everyone}
+    for culprit in allreduce.culprits:
+        culprit["host"] = hosts[culprit["rank"]]
+    if allreduce.culprits:
+        allreduce.detail += f" on {_names(allreduce.culprits)}"
+    checks = [
+        check_versions(everyone), check_gpus(everyone, opts.gpus_per_node, ctx.backend),
+        check_efa(everyone, opts.expect_efa), check_network(everyone),
+        check_run_dir(everyone, opts.run_dir, ctx.world_size), _rendezvous_check(ctx, barrier_s),
+        allreduce, check_compute(everyone, opts.slow_threshold),
+    ]
+    return DoctorReport(checks, ctx.world_size, sorted(set(hosts.values())))
+
+
+def _allreduce_check(ctx: Any, opts: DoctorOptions) -> Check:
+    from podtrain.tools import collectives as C
+
+    if not ctx.initialized:
+        return Check("all_reduce", INFO, "one process: nothing to reduce")
+    bench = C.BenchOptions(ops=["all_reduce"], sizes=[opts.allreduce_bytes], iters=5, warmup=2)
+    rec = C.run_benchmark(ctx, bench)[0]
+    detail = (f"{C.format_size(rec['bytes'])} float32: busbw {rec['busbw_gbps']:.3f} GB/s, "
+              f"{rec['time_s'] * 1e3:.2f} ms")
+    if rec["wrong"]:
+        return Check("all_reduce", FAIL, f"{rec['wrong']} wrong element(s) ({detail})",
+                     [{"rank": r, "host": None} for r in rec["wrong_ranks"]])
+    if opts.min_busbw is not None and rec["busbw_gbps"] < opts.min_busbw:
+        return Check("all_reduce", FAIL, f"busbw below --min-busbw {opts.min_busbw:g} ({detail})")
+    return Check("all_reduce", OK, f"correct on every rank; {detail}")
+
+
+def _rendezvous_check(ctx: Any, barrier_s: float | None) -> Check:
+    if not ctx.initialized or barrier_s is None:
+        return Check("rendezvous", INFO, "one process: no rendezvous")
+    env = ctx.env
+    return Check("rendezvous", OK, f"{env.master_addr}:{env.master_port} reached by all "
+                 f"{ctx.world_size} ranks; barrier {barrier_s * 1e3:.2f} ms")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``podtrain doctor``."""
+    parser.add_argument("--run-dir", default=None,
+                        help="a directory every node must share (checked by writing into it)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs expected per node")
+    parser.add_argument("--expect-efa", action="store_true", help="fail on a node without EFA")
+    parser.add_argument("--backend", default="auto", help="auto, nccl or gloo")
+    parser.add_argument("--allreduce-bytes", default="64M", help="all_reduce check size")
+    parser.add_argument("--min-busbw", type=float, default=None,
+                        help="all_reduce busbw floor, GB/s")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="matmul side (default 512 on CPU, 4096 on GPU)")
+    parser.add_argument("--slow-threshold", type=float, default=0.10,
+                        help="fail a rank this much slower than the median (default 0.10)")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="rendezvous and collective timeout")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the checks as JSON")
+
+
+def options_from_args(args: argparse.Namespace) -> DoctorOptions:
+    """Validated options from the command line."""
+    from podtrain.tools.collectives import parse_size
+
+    if args.slow_threshold <= 0:
+        raise UserError(f"--slow-threshold {args.slow_threshold} must be positive")
+    return DoctorOptions(run_dir=args.run_dir, gpus_per_node=args.gpus_per_node,
+                         expect_efa=args.expect_efa,
+                         allreduce_bytes=parse_size(args.allreduce_bytes),
+                         min_busbw=args.min_busbw, matmul_size=args.matmul_size,
+                         slow_threshold=args.slow_threshold)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the doctor on this rank; 0 when every check passes, else 1 (the same on every rank)."""
+    from podtrain.dist.group import process_group
+
+    opts = options_from_args(args)
+    env = ClusterEnv.detect()
+    error = probe_rendezvous(env, args.timeout_s)
+    if error is not None:
+        # This rank cannot join, so it cannot tell the others: it names itself and stops.
+        print(f"podtrain doctor: FAIL rendezvous: rank {env.rank} on host {env.hostname} cannot "
+              f"reach {env.master_addr}:{env.master_port} ({error})", file=sys.stderr)
+        return 1
+    with contextlib.ExitStack() as stack:
+        try:
+            ctx = stack.enter_context(process_group(env, args.backend, args.timeout_s,
+                                                    args.timeout_s))
+        except RuntimeError as exc:  # the store answered, but not every rank joined in time
+            first = (str(exc).splitlines() or [""])[0]
+            print(f"podtrain doctor: FAIL rendezvous: rank {env.rank} on host {env.hostname}: "
+                  f"the process group did not form within {args.timeout_s:g} s "
+                  f"({type(exc).__name__}: {first})", file=sys.stderr)
+            return 1
+        report = run_doctor(ctx, opts)
+    if ctx.is_main:
+        print(report.format(), flush=True)
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(
+                {"ok": not report.failed, "hosts": report.hosts,
+                 "checks": [asdict(c) for c in report.checks]}, indent=1))
+    return 1 if report.failed else 0

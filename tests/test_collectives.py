@@ -1,0 +1,159 @@
+"""podtrain bench collectives: nccl-tests arithmetic (pure) and real gloo ranks (fork)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from podtrain.cli import main as cli_main
+from podtrain.errors import UserError
+from podtrain.tools import collectives as C
+
+FIELDS = {"op", "bytes", "time_s", "algbw_gbps", "busbw_gbps", "wrong", "world_size"}
+
+
+# --- pure ----------------------------------------------------------------------------------------
+
+def test_bus_factors_follow_nccl_tests():
+    assert C.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert C.bus_factor("all_reduce", 2) == pytest.approx(1.0)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert C.bus_factor(op, 4) == pytest.approx(0.75)
+    assert C.bus_factor("broadcast", 8) == 1.0
+    # 1 GB in 0.5 s on 8 ranks: algbw 2 GB/s, all_reduce busbw 2 * 2 * 7/8 = 3.5 GB/s
+    assert C.algbw_gbps(10**9, 0.5) == pytest.approx(2.0)
+    assert C.busbw_gbps("all_reduce", 10**9, 0.5, 8) == pytest.approx(3.5)
+    with pytest.raises(UserError):
+        C.bus_factor("gather", 2)
+
+
+def test_sizes_and_counts():
+    assert C.parse_size("1K") == 1024 and C.parse_size("64M") == 64 << 20
+    assert C.parse_size("1G") == 1 << 30 and C.parse_size("512") == 512
+    assert C.parse_size("4KiB") == 4096
+    with pytest.raises(UserError):
+        C.parse_size("lots")
+    assert C.message_sizes(1024, 8192, 2) == [1024, 2048, 4096, 8192]
+    assert C.message_sizes(1 << 10, 1 << 30, 2)[-1] == 1 << 30
+    assert C.message_sizes(4096, 4096, 2) == [4096]
+    with pytest.raises(UserError):
+        C.message_sizes(8192, 1024, 2)
+    # all_gather on 3 ranks: 1 KiB of fp32 = 256 elements, rounded down to 255 = 3 x 85
+    assert C.element_counts("all_gather", 1024, 4, 3) == (255, 85)
+    assert C.element_counts("all_reduce", 1024, 4, 3) == (256, 256)
+    assert C.format_size(64 << 20) == "64M" and C.format_size(1536) == "1.5K"
+
+
+def test_sum_table_and_tolerance():
+    for n in (1, 2, 4, 11, 13, 30):
+        brute = [sum((3 * r + k) % 11 for r in range(n)) for k in range(11)]
+        assert C.sum_table(n).tolist() == brute
+    assert C.tolerance("all_gather", torch.bfloat16, 64) == 0.0  # data movement is exact
+    assert C.tolerance("all_reduce", torch.bfloat16, 8) == 0.0  # sums <= 80 are exact in bf16
+    assert C.tolerance("all_reduce", torch.bfloat16, 64) > 0.0
+    assert C.tolerance("all_reduce", torch.int32, 1000) == 0.0
+
+
+def test_split_groups():
+    assert C.split_groups([0, 0, 1, 1]) == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
+    assert C.split_groups([0, 1, 1, 0])["inter"] == [[0, 1], [2, 3]]
+    with pytest.raises(UserError):
+        C.split_groups([0, 0, 1])
+
+
+def test_min_busbw_uses_each_ops_largest_size():
+    recs = [{"op": "all_reduce", "group": "world", "bytes": b, "busbw_gbps": bw, "wrong": 0,
+             "wrong_ranks": []} for b, bw in ((1024, 0.01), (1 << 20, 5.0))]
+    assert C.check_results(recs, 1.0) == []
+    assert "busbw 5.000 GB/s < --min-busbw 10" in C.check_results(recs, 10.0)[0]
+
+
+# --- real ranks ----------------------------------------------------------------------------------
+
+def _bench(rank, world, argv, node_of_rank=None):
+    """Run the CLI on this rank (the group is already up); also return the records."""
+    from podtrain.dist.env import ClusterEnv
+    from podtrain.dist.group import process_group
+
+    code = cli_main(["bench", "collectives", *argv])
+    records = None
+    if node_of_rank is not None:
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        C.add_arguments(parser)
+        opts = C.options_from_args(parser.parse_args(argv))
+        with process_group(ClusterEnv.detect(), "gloo") as ctx:
+            records = C.run_benchmark(ctx, opts, node_of_rank=node_of_rank)
+    return code, records
+
+
+def _check_arithmetic(rec):
+    n = rec["world_size"]
+    assert rec["algbw_gbps"] == pytest.approx(rec["bytes"] / rec["time_s"] / 1e9)
+    assert rec["busbw_gbps"] == pytest.approx(
+        rec["bytes"] / rec["time_s"] / 1e9 * C.bus_factor(rec["op"], n))
+    assert rec["time_min_s"] <= rec["time_s"] <= rec["time_max_s"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_op_correct_and_json(tmp_path, world):
+    out = tmp_path / "bench.jsonl"
+    argv = ["--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8", "--iters", "3",
+            "--warmup", "1", "--backend", "gloo", "--json", str(out)]
+    results = run_ranks(_bench, world, argv)
+    assert [code for code, _ in results] == [0] * world
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["op"], r["bytes"]) for r in records] == [
+        (op, C.element_counts(op, size, 4, world)[0] * 4)
+        for op in C.OPS for size in (1024, 8192, 65536)]
+    for rec in records:
+        assert FIELDS <= set(rec)
+        assert rec["wrong"] == 0 and rec["world_size"] == world and rec["group"] == "world"
+        assert rec["time_s"] > 0 and math.isfinite(rec["busbw_gbps"])
+        _check_arithmetic(rec)
+
+
+def test_corrupted_result_is_reported_wrong(tmp_path, capfd):
+    out = tmp_path / "bench.jsonl"
+    argv = ["--ops", "reduce_scatter,all_gather", "--min-bytes", "4K", "--max-bytes", "4K",
+            "--iters", "2", "--warmup", "0", "--json", str(out)]
+    results = run_ranks(_bench, 2, argv, env={C.CORRUPT_VAR: "reduce_scatter"})
+    assert [code for code, _ in results] == [1, 1]
+    by_op = {r["op"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by_op["reduce_scatter"]["wrong"] == 2  # one element on each of the 2 ranks
+    assert by_op["reduce_scatter"]["wrong_ranks"] == [0, 1]
+    assert by_op["all_gather"]["wrong"] == 0
+    assert "reduce_scatter 4K (world): 2 wrong element(s)" in capfd.readouterr().err
+
+
+def test_intra_inter_groups_with_a_two_node_layout():
+    argv = ["--ops", "all_reduce,broadcast", "--min-bytes", "16K", "--max-bytes", "16K",
+            "--iters", "2", "--warmup", "0", "--groups", "intra,inter"]
+    results = run_ranks(_bench, 4, argv, [0, 0, 1, 1])
+    records = results[0][1]
+    assert records == results[3][1]  # every rank returns the same records
+    assert [(r["group"], r["op"], r["world_size"], r["groups"]) for r in records] == [
+        ("world", "all_reduce", 4, 1), ("world", "broadcast", 4, 1),
+        ("intra", "all_reduce", 2, 2), ("intra", "broadcast", 2, 2),
+        ("inter", "all_reduce", 2, 2), ("inter", "broadcast", 2, 2)]
+    for rec in records:
+        assert rec["wrong"] == 0
+        _check_arithmetic(rec)
+    assert records[2]["slowest_group"] in ([0, 1], [2, 3])
+    assert records[4]["slowest_group"] in ([0, 2], [1, 3])
+
+
+def test_min_busbw_fails_the_run():
+    argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "2",
+            "--min-busbw", "1e6"]
+    assert [code for code, _ in run_ranks(_bench, 2, argv)] == [1, 1]
+
+
+def test_one_process_is_a_user_error(capsys):
+    assert cli_main(["bench", "collectives", "--max-bytes", "4K"]) == 2
+    assert "needs at least 2 ranks" in capsys.readouterr().err

@@ -1,0 +1,109 @@
+"""Straggler reports: a slow rank 1 is named, with its host, on real gloo ranks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from multirank import run_ranks
+from podtrain.monitor import StragglerMonitor, find_straggler
+
+
+def test_find_straggler_against_the_median():
+    assert find_straggler([1.0, 1.0, 1.05, 1.0], 0.10) == (None, pytest.approx(0.05))
+    assert find_straggler([1.0, 1.0, 1.5, 1.0], 0.10) == (2, pytest.approx(0.5))
+    assert find_straggler([0.0, 0.0], 0.1) == (None, 0.0)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _ctx():
+    from podtrain.dist.env import ClusterEnv
+    from podtrain.dist.group import process_group
+
+    return process_group(ClusterEnv.detect(), "gloo")
+
+
+def _sleepy_rank(rank, world, data_slow):
+    """Rank 1 sleeps 20 ms per step, in its data loading or in its compute; no sync in a step."""
+    capture = _Capture()
+    logging.getLogger("podtrain.monitor").addHandler(capture)
+    with _ctx() as ctx:
+        monitor = StragglerMonitor(ctx, every=5, threshold=0.10)
+        reports = []
+        for step in range(1, 11):
+            t0 = time.perf_counter()
+            if rank == 1 and data_slow:
+                time.sleep(0.02)
+            wait = time.perf_counter() - t0
+            time.sleep(0.01 + (0.02 if rank == 1 and not data_slow else 0.0))
+            monitor.observe(time.perf_counter() - t0, wait)
+            reports.append(monitor.maybe_report(step))
+    return reports, capture.messages, ctx.env.hostname
+
+
+@pytest.mark.parametrize("data_slow", [False, True])
+def test_sleep_on_rank_1_is_named(data_slow):
+    (reports, warnings, host), (reports1, warnings1, _) = run_ranks(_sleepy_rank, 2, data_slow)
+    assert [i + 1 for i, r in enumerate(reports) if r is not None] == [5, 10]
+    for report in (reports[4], reports[9]):
+        assert report["straggler_rank"] == 1 and report["straggler_host"] == host
+        assert report["straggler_excess"] > 0.2  # 30 ms against a median of 20 ms: +50%
+        assert report["step_time_by_rank"][1] > report["step_time_by_rank"][0]
+        assert len(report["data_wait_by_rank"]) == 2
+    assert reports1[4] == reports[4]  # every rank gets the same report
+    assert len(warnings) == 2 and "rank 1 on host " + host in warnings[0]
+    assert ("waiting for data" if data_slow else "compute") in warnings[0]
+    assert warnings1 == []  # only rank 0 logs
+
+
+def _ddp_rank(rank, world):
+    """Real DDP: the slow rank's whole-step time equals the others' (the sync waits for it);
+    the recording comm hook's sync wait is what tells them apart."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from podtrain.dist.watchdog import register_recording_hook
+
+    torch.manual_seed(0)
+    with _ctx() as ctx:
+        model = DDP(torch.nn.Linear(64, 64))
+        register_recording_hook(model, ctx.recorder)
+        monitor = StragglerMonitor(ctx, every=6, threshold=0.10)
+        x = torch.full((8, 64), float(rank + 1))
+        report = None
+        for step in range(1, 7):
+            t0 = time.perf_counter()
+            loss = model(x).square().mean()
+            if rank == 1:
+                time.sleep(0.03)  # slow compute before the gradient sync
+            loss.backward()
+            monitor.observe(time.perf_counter() - t0, 0.0, ctx.recorder.pop_sync_wait())
+            report = monitor.maybe_report(step) or report
+        grad = model.module.weight.grad.clone()
+        buckets = [e for e in ctx.recorder.snapshot() if e["caller"].startswith("DDP gradient")]
+        del model
+    return report, grad, buckets
+
+
+def test_ddp_straggler_is_found_through_the_sync_wait():
+    import torch
+
+    (report, grad0, buckets), (_, grad1, _) = run_ranks(_ddp_rank, 2)
+    assert report["straggler_rank"] == 1
+    steps = report["step_time_by_rank"]
+    assert abs(steps[0] - steps[1]) < 0.5 * min(steps)  # whole steps look alike...
+    assert report["sync_wait_by_rank"][0] > 0.02  # ...because rank 0 waits for rank 1
+    assert report["busy_by_rank"][1] > report["busy_by_rank"][0] + 0.02
+    # The hook changes nothing in the gradients: averaged as DDP's default does.
+    torch.testing.assert_close(grad0, grad1)
+    assert buckets and all(b["op"] == "all_reduce" and b["state"] == "done" for b in buckets)
