@@ -66,3 +66,12 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(tmp_path / "config.yaml")
     assert to_dict(again) == to_dict(cfg)
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["steps"] == 7
+
+
+def test_override_values_are_parsed_by_the_key_type(tmp_path):
+    # YAML 1.1 would read these as booleans/null; the key's type decides instead.
+    cfg = load_config(None, ["log.progress=off", "run.name=yes", "model.vocab_size=null", "log.every=5"])
+    assert (cfg.log.progress, cfg.run.name, cfg.model.vocab_size, cfg.log.every) == ("off", "yes", None, 5)
+    path = tmp_path / "c.yaml"
+    path.write_text("log:\n  progress: off\n")
+    assert load_config(path).log.progress == "off"

@@ -251,17 +251,27 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
     return cfg
 
 
+class RawText(str):
+    """An override's value as typed; parsed by the type of the key it sets (see ``_coerce``).
+
+    Parsing by type matters because YAML 1.1 reads ``off``, ``no`` and ``on`` as booleans: a
+    string key such as ``log.progress=off`` must keep the text.
+    """
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """Split ``section.key=value``; the value is parsed as YAML (``3e-4``, ``true``, ``[a, b]``)."""
+    """Split ``section.key=value``; the value stays text until its key's type is known."""
     if "=" not in item:
         raise UserError(f"override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
-    key = key.strip()
+    return key.strip(), RawText(text)
+
+
+def _parse_yaml_scalar(text: str) -> Any:
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        return yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
-        value = text
-    return key, value
+        return str(text)
 
 
 def _flatten(raw: dict, source: str, prefix: str = "") -> dict[str, Any]:
@@ -310,10 +320,16 @@ def _coerce(key: str, value: Any, ftype: Any) -> Any:
     origin = typing.get_origin(ftype)
     if origin in (Union, types.UnionType):
         args = typing.get_args(ftype)
+        if isinstance(value, RawText) and value.strip() in ("null", "~", "none", "None"):
+            return None
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner[0])
+    if isinstance(value, RawText):
+        value = str(value) if ftype is str else _parse_yaml_scalar(value)
+    if ftype is str and isinstance(value, bool) and "off" in CHOICES.get(key, ()):
+        value = "on" if value else "off"  # a YAML file's bare `off` is a boolean to YAML 1.1
     if origin is list:
         (item_type,) = typing.get_args(ftype)
         if isinstance(value, str):
