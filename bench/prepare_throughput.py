@@ -9,6 +9,8 @@ the same run:
 * own:     the tokenizer alone on the same text already in memory, one core
            (bytes: ``numpy.frombuffer(...).astype(uint16)``; BPE: ``encode_batch_fast`` with
            ``TOKENIZERS_PARALLELISM=false``);
+* own x2:  (BPE) the library's own multi-threaded encode_batch_fast with 2 rayon threads, so the
+           2-worker figure can be read against what the machine gives the tokenizer itself;
 * prepare: the whole ``podtrain prepare`` (walk, read, decode, split, tokenize, write, sha256,
            fsync, manifest; worker start-up included) with 1 and with 2 workers.
 
@@ -23,6 +25,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,7 +108,7 @@ def run_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> prep.P
 
 
 def measure(name: str, corpus: Path, mb: float, tokenizer: str, own, work: Path, repeats: int,
-            extra: dict | None = None, own_passes: int = 1) -> list[str]:
+            extra: dict | None = None, own_passes: int = 1, rates: dict | None = None) -> list[str]:
     """Best-of-``repeats`` MB/s of own, prepare x1 and prepare x2, run alternately (same load)."""
     best: dict[str, float] = {}
     runs = {"own": own,
@@ -118,6 +121,8 @@ def measure(name: str, corpus: Path, mb: float, tokenizer: str, own, work: Path,
             best[label] = min(best.get(label, float("inf")), wall)
             best[label + "_cpu"] = min(best.get(label + "_cpu", float("inf")), cpu)
     rate = {k: mb * (own_passes if k.startswith("own") else 1) / v for k, v in best.items()}
+    if rates is not None:
+        rates.update(rate)
     rows = []
     for workers in (1, 2):
         r, rc = rate[f"w{workers}"], rate[f"w{workers}_cpu"]
@@ -131,7 +136,29 @@ def measure(name: str, corpus: Path, mb: float, tokenizer: str, own, work: Path,
     return rows
 
 
+def own_threads_rate(tok_file: Path, corpus: Path, threads: int) -> float:
+    """MB/s of the tokenizer's own multi-threaded ``encode_batch_fast`` (rayon, ``threads``), run in
+    a fresh process because the thread count is fixed when the library first uses its pool."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, __file__, "--own-encode", str(tok_file), str(corpus)],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def own_encode_main(tok_file: str, corpus: str) -> int:
+    """Child mode: print the best-of-2 MB/s of encode_batch_fast over the corpus."""
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(tok_file)
+    texts = [p.read_bytes().decode("utf-8", "replace") for p in sorted(Path(corpus).rglob("*.py"))]
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    secs = min(timed(lambda: tok.encode_batch_fast(texts, add_special_tokens=False))[0] for _ in range(2))
+    print(f"{mb / secs:.4f}")
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--own-encode":
+        return own_encode_main(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--byte-mb", type=float, default=32.0)
     ap.add_argument("--bpe-mb", type=float, default=8.0)
@@ -163,9 +190,14 @@ def main() -> int:
         for line in measure("byte", work / "byte_corpus", mb_of(byte_blobs), "byte",
                             lambda: own_bytes(byte_blobs), work, args.repeats, floor, OWN_BYTES_PASSES):
             print(line)
+        rates: dict[str, float] = {}
         for line in measure("bpe", work / "bpe_corpus", mb_of(bpe_blobs), str(tok_file),
-                            lambda: bpe.encode_batch(texts), work, args.repeats):
+                            lambda: bpe.encode_batch(texts), work, args.repeats, rates=rates):
             print(line)
+        # The tokenizer's own scaling on this machine, for the 2-worker figure to be read against.
+        own1, own2 = (own_threads_rate(tok_file, work / "bpe_corpus", n) for n in (1, 2))
+        print(f"bpe    own encode_batch_fast, rayon 1 thread: {own1:.2f} MB/s, 2 threads: {own2:.2f} MB/s "
+              f"(own scaling {own2 / own1:.2f}x); prepare 2 workers / own 2 threads = {rates['w2'] / own2:.2f}")
     print("ratio (wall) = prepare MB/s per worker / the tokenizer's own MB/s on one core (target >= 0.8)")
     print("ratio (cpu)  = MB per CPU-second of prepare (main + workers) / of the tokenizer alone")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
