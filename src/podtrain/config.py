@@ -60,6 +60,9 @@ class DataSection:
     """Batches the background loader keeps ready ahead of the step."""
     num_workers: int = 0
     """Worker processes building batches; 0 uses one background thread (enough for memmaps)."""
+    verify: bool = True
+    """Check every shard's SHA-256 against the manifest at start (rank 0 reads all the data once:
+    turn off for very large corpora)."""
 
 
 @dataclass

@@ -11,6 +11,9 @@ import os
 import tempfile
 from pathlib import Path
 
+FILE_MODE = 0o644
+"""Mode of files written atomically (what a plain open() gives under the usual umask 022)."""
+
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or creation inside ``path`` durable."""
@@ -27,6 +30,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp creates 0600; run directories on shared storage are read by other users' tools.
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

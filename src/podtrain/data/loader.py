@@ -294,23 +294,6 @@ def validation_ids(num_samples: int, rank: int, world_size: int, limit: int | No
     return ids if limit is None else ids[:limit]
 
 
-def check_token_range(manifest: Manifest, model_vocab: int) -> None:
-    """Every token id must be below the model's vocabulary size; name the shard that is not."""
-    if manifest.vocab_size > model_vocab:
-        raise UserError(
-            f"{manifest.root / 'manifest.json'}: tokenizer {manifest.tokenizer.get('name', '?')!r} has "
-            f"{manifest.vocab_size} ids but the model's vocabulary has {model_vocab}: the data was "
-            "made with a different tokenizer than the model expects (set model.vocab_size or re-prepare)")
-    for split in manifest.splits():
-        for raw, shard in zip(manifest.raw["splits"][split]["shards"], manifest.shards(split)):
-            top = raw.get("max_token_id")
-            if top is None:  # older manifests: scan once (memmap, vectorised)
-                top = int(np.memmap(shard.path, dtype=manifest.dtype, mode="r").max(initial=0))
-            if int(top) >= model_vocab:
-                raise UserError(f"shard {shard.path} holds token id {top}, at or above the model's "
-                                f"vocabulary size {model_vocab}")
-
-
 def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 50_000_000) -> float:
     """Entropy in nats of the split's token frequencies (over its first ``max_tokens`` tokens).
 

@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
 from podtrain.config import RunConfig, accumulation_steps, dump_config, load_config, to_dict
-from podtrain.data.loader import SampleIndex, ShardedLoader, check_token_range, unigram_entropy
-from podtrain.data.manifest import read_manifest
+from podtrain.data.loader import SampleIndex, ShardedLoader, unigram_entropy
+from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
 from podtrain.dist.env import ClusterEnv
 from podtrain.dist.group import DistContext, cap_cpu_threads, process_group
 from podtrain.errors import UserError
@@ -110,7 +110,9 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         manifest = read_manifest(cfg.data.path)
         vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-        check_token_range(manifest, vocab)
+        check_vocab(manifest, vocab)
+        if cfg.data.verify:
+            self._verify_data(manifest)
         config = preset_config(cfg.model.preset, vocab)
         self.model_config = config
         self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
@@ -146,6 +148,18 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
         self._log_start()
+
+    def _verify_data(self, manifest) -> None:
+        """Rank 0 checks every shard's SHA-256; its verdict is broadcast so all ranks stop alike."""
+        error = None
+        if self.ctx.is_main:
+            try:
+                verify_shards(manifest)
+            except UserError as exc:
+                error = str(exc)
+        error = self.ctx.broadcast_object(error)
+        if error:
+            raise UserError(error)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (one process: no wrapper), then torch.compile when asked."""

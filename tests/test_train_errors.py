@@ -1,0 +1,50 @@
+"""`podtrain train` on bad data: one line naming the culprit, exit code 2, in one process."""
+
+import pytest
+
+from podtrain.cli import main
+from synthetic_data import make_data_dir
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+
+
+def train(capsys, data, tmp_path, *overrides):
+    code = main(["train", "configs/demo.yaml", f"data.path={data}", f"run.dir={tmp_path / 'run'}",
+                 "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+                 "train.steps=1", "log.progress=off", "monitor.watchdog=false", *overrides])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_flipped_byte_in_a_shard_is_named(capsys, data, tmp_path, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    raw = bytearray((data / "train_00000.bin").read_bytes())
+    raw[100] ^= 0xFF
+    (data / "train_00000.bin").write_bytes(bytes(raw))
+    code, err = train(capsys, data, tmp_path)
+    assert code == 2 and len(err) == 1
+    assert "train_00000.bin: sha256 does not match" in err[0]
+
+
+def test_model_vocabulary_smaller_than_the_tokenizer(capsys, data, tmp_path, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    code, err = train(capsys, data, tmp_path, "model.vocab_size=128")
+    assert code == 2 and len(err) == 1
+    assert "has vocab_size 257 but the model's vocabulary has 128" in err[0]
+
+
+def test_missing_data_directory(capsys, tmp_path, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    code, err = train(capsys, tmp_path / "nope", tmp_path)
+    assert code == 2 and err == [f"podtrain: error: data directory {tmp_path / 'nope'} does not exist "
+                                 f"(run `podtrain prepare ... --out {tmp_path / 'nope'}`)"]
+
+
+def test_one_process_trains_and_writes_its_config(capsys, data, tmp_path, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    code, _ = train(capsys, data, tmp_path, "train.steps=3", "log.every=1", "eval.every=0")
+    assert code == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and (tmp_path / "run" / "config.yaml").is_file()
