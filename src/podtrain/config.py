@@ -161,7 +161,8 @@ class DistSection:
     backend: str = "auto"
     """auto (nccl with CUDA, else gloo), nccl, or gloo."""
     timeout_s: float = 600.0
-    """Steady-state collective timeout, and the watchdog's no-progress limit."""
+    """Seconds without a completed step before the watchdog dumps stacks and ends the run; the
+    collective timeout is set longer (1.25x + 60 s) so the watchdog reports first."""
     init_timeout_s: float = 1200.0
     """Timeout for rendezvous, start-up and the first step (compilation, cold file systems)."""
     bucket_cap_mb: float = 25.0

@@ -67,9 +67,15 @@ def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: 
     ]
 
 
-def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment torchrun passes to its workers (see the module docstring)."""
+def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = None,
+                       debug_dir: str | None = None) -> dict[str, str]:
+    """The environment torchrun passes to its workers (see the module docstring); with
+    ``debug_dir`` the flight recorder dumps there when a collective times out."""
     env = dict(os.environ if base is None else base)
+    if debug_dir:
+        from podtrain.dist.watchdog import flight_recorder_env
+
+        env.update(flight_recorder_env(debug_dir))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * nnodes))))
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -84,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
-    env = worker_environment(args.nproc, args.nnodes)
+    env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
     log_dir = Path(cfg.run.dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,

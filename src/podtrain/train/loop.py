@@ -75,13 +75,20 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
     env = env or ClusterEnv.detect()
     setup_logging(env.rank)
     cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
-    with process_group(env, cfg.dist.backend, cfg.dist.init_timeout_s, cfg.dist.timeout_s) as ctx:
+    with process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
+                       collective_timeout(cfg.dist.timeout_s)) as ctx:
         trainer = Trainer(cfg, ctx)
         try:
             trainer.setup()
             return trainer.run()
         finally:
             trainer.close()
+
+
+def collective_timeout(watchdog_s: float) -> float:
+    """The process group's timeout for a watchdog limit: longer, so that on a hang the watchdog
+    fires first and writes its stack and collective dumps before torch raises its own error."""
+    return watchdog_s * 1.25 + 60.0
 
 
 class Trainer:
@@ -289,7 +296,7 @@ class Trainer:
             if self.straggler is not None:
                 self._observe_straggler(step_s, batch.wait_s)
             if self.step == 1:
-                ctx.set_timeout(cfg.dist.timeout_s)  # start-up is over: steady-state timeout
+                ctx.set_timeout(collective_timeout(cfg.dist.timeout_s))  # start-up is over
             last = self.step == total
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
