@@ -463,3 +463,20 @@ def test_stop_signal_single_process_and_handler_restore():
     assert (plan.action, plan.rank, plan.step, plan.delay_s, plan.once) == ("kill", 1, 6, 0.05, Path("/tmp/m"))
     with pytest.raises(UserError, match="PODTRAIN_FAULT"):
         FaultPlan.parse("rank=1")
+
+
+def _other_world_rank(rank, world, run_dir):
+    with process_group(ClusterEnv.detect(), "gloo") as ctx, Records() as rec:
+        model, opt = tiny(seed=3)
+        state = Checkpointer(Path(run_dir), CkptSection(), ctx).restore(model, opt, None)
+        return state["step"], state["world_size"], weights(model), rec.messages
+
+
+def test_resume_with_another_world_size_loads_weights_not_rng(tmp_path):
+    model, opt = tiny()
+    train_steps(model, opt, 2, seed=4)
+    save_sync(tmp_path, 2, model, opt)  # saved by 1 process, resumed by 2
+    results = run_ranks(_other_world_rank, 2, str(tmp_path), timeout=60)
+    for step, saved_world, w, _ in results:
+        assert step == 2 and saved_world == 1 and same_state(weights(model), w)
+    assert any("saved by 1 rank(s), this run has 2" in m for m in results[0][3])
