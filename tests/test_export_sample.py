@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from podtrain.checkpoint import Checkpointer
