@@ -264,7 +264,8 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.job(job_id)
-            if info.get("JobState") not in (None, "PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            if info.get("JobState") not in (None, "PENDING", "RUNNING", "COMPLETING", "CONFIGURING",
+                                            "REQUEUED"):
                 return info
             time.sleep(0.5)
         subprocess.run(["scancel", job_id], env=self.env, capture_output=True, timeout=10)
@@ -385,6 +386,7 @@ declare -A ADDR=({pairs})
 case "$1 $2" in
   "show hostnames") for n in {names}; do echo "$n"; done ;;
   "show node") echo "NodeName=$3 Arch=x86_64 CPUTot=1 NodeAddr=${{ADDR[$3]}} NodeHostName=$3 State=ALLOCATED" ;;
+  "requeue "*) echo "$*" >> "$(dirname "$0")/scontrol-requeue.txt" ;;
   *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;
 esac
 """

@@ -3,8 +3,9 @@
 munged, slurmctld and two slurmd (nodes n1, n2, one CPU each) start in a scratch directory with
 their own ports (tests/cluster_fixtures.py). The script is submitted with `--submit` (real sbatch),
 srun starts one torchrun agent per node, they meet by c10d rendezvous at the address each node
-looked up with scontrol, and 2 ranks train the tiny model; midway one rank is SIGKILLed and torchrun
-(--max-restarts 1) must restart the group and finish. Skipped only where Slurm cannot be installed.
+looked up with scontrol, and 2 ranks train the tiny model; midway one rank is SIGKILLed (torchrun
+restarts the group), then the job gets the preemption signal (checkpoint, requeue, resume) and
+completes. Skipped only where Slurm cannot be installed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -84,38 +86,61 @@ def worker_pids(job_id: str, run_dir: Path) -> dict[int, int]:
     return found
 
 
-def test_two_node_job_trains_and_survives_a_killed_rank(cluster, data, tmp_path, monkeypatch, capsys):
-    """One job covers both cluster checks (each torchrun start costs ~10 s here):
+def wait_until(cond, what: str, cluster, job_id: str, timeout: float = JOB_TIMEOUT):
+    """Poll ``cond()`` until it returns something truthy; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        info = cluster.job(job_id)
+        assert info.get("JobState") in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING",
+                                        "REQUEUED"), (what, info)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def test_two_node_job_trains_survives_a_killed_rank_and_a_preemption(
+        cluster, data, tmp_path, monkeypatch, capsys):
+    """One job, three starts (each costs ~10 s of imports here), everything a cluster run needs:
 
     * it trains: 2 nodes x 1 rank, world_size 2 in the metrics, finite and falling loss, and each
       node ran the node script with its own identity (not every node node 0);
-    * a rank SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) on both nodes, resumes
-      from the last checkpoint and the job completes (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the
-      script is what makes gloo restarts reliable, MACHINE-NOTES.md).
+    * a rank SIGKILLed mid-run is restarted by torchrun (--max-restarts 1) on both nodes and the
+      workers resume from the last checkpoint (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the script
+      is what makes gloo restarts reliable, MACHINE-NOTES.md);
+    * the preemption signal, sent to the step as `--signal=USR1@120` would, makes the workers
+      checkpoint and exit; the batch script requeues the job (--requeue), which resumes and ends.
     """
-    run_dir, steps = tmp_path / "run", 8
+    run_dir, steps = tmp_path / "run", 10
     job_id = submit(cluster, monkeypatch, capsys, run_dir, data, "--max-restarts", "1",
-                    overrides=(f"train.steps={steps}", "ckpt.every=2"))
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while max([r["step"] for r in read_metrics(run_dir)], default=0) < 3:
-        assert time.monotonic() < deadline, "training never reached step 3"
-        assert cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
-            cluster.job(job_id)
-        time.sleep(0.1)
-    pids = worker_pids(job_id, run_dir)
-    assert sorted(pids) == [0, 1], pids
-    os.kill(pids[1], signal.SIGKILL)
+                    "--requeue", overrides=(f"train.steps={steps}", "ckpt.every=2"))
+    last_step = lambda: max([r["step"] for r in read_metrics(run_dir)], default=0)  # noqa: E731
+    wait_until(lambda: last_step() >= 3, "step 3", cluster, job_id)
+    first = worker_pids(job_id, run_dir)
+    assert sorted(first) == [0, 1], first
+    os.kill(first[1], signal.SIGKILL)
+
+    # torchrun restarts both workers; once they log a step they have their signal handlers.
+    wait_until(lambda: (p := worker_pids(job_id, run_dir)) and len(p) == 2
+               and not set(p.values()) & set(first.values()), "restarted workers", cluster, job_id)
+    restarted = time.time()
+    wait_until(lambda: any(r["time"] > restarted for r in read_metrics(run_dir)),
+               "a step after the restart", cluster, job_id)
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True, timeout=10)
+    # Requeued jobs wait 120 s before they are eligible again; the test plays the admin.
+    wait_until(lambda: (j := cluster.job(job_id)).get("Restarts") == "1"
+               and j.get("JobState") == "PENDING", "the requeue", cluster, job_id)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env,
+                   check=True, timeout=10)
     log = finish(cluster, job_id, run_dir)
 
-    nodes = sorted(re.findall(r"podtrain: node (\d) of 2 \((n\d) \S+ \S+\) rendezvous (\S+) host=(\d)", log))
-    # The node script ran once per node (torchrun restarts the workers, not srun), as itself.
-    assert [n[:2] for n in nodes] == [("0", "n1"), ("1", "n2")], log[-3000:]
-    assert len({n[2] for n in nodes}) == 1 and sorted(n[3] for n in nodes) == ["0", "1"]
-    assert "exitcode: -9" in log, log[-3000:]  # the agent saw the kill...
+    # The node script ran once per node and start (torchrun restarts workers, not srun), as itself.
+    nodes = re.findall(r"podtrain: node (\d) of 2 \((n\d) \S+ \S+\) rendezvous (\S+) host=(\d)", log)
+    assert sorted(n[:2] for n in nodes) == [("0", "n1"), ("0", "n1"), ("1", "n2"), ("1", "n2")], log[-3000:]
+    assert len({n[2] for n in nodes}) == 1 and sorted(n[3] for n in nodes) == ["0", "0", "1", "1"]
+    assert "exitcode: -9" in log, log[-3000:]  # the agent saw the kill
+    assert "stopped by the preemption signal after a checkpoint" in log, log[-3000:]
     records = [r for r in read_metrics(run_dir) if r.get("kind", "train") == "train"]
-    assert records[-1]["step"] == steps, [r["step"] for r in records]  # ...and training went on
+    assert records[-1]["step"] == steps, [r["step"] for r in records]  # and training went on
     assert all(r["world_size"] == 2 for r in records)
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-
-

@@ -30,6 +30,9 @@ FAKE_PYTHON = """#!/bin/bash
 # Records `python3 -m torch.distributed.run ...` (args, environment, ignored signals) instead of
 # training; every other python3 call goes to the real interpreter.
 if [ "$1 $2" = "-m torch.distributed.run" ]; then
+  if [ -n "${{FAKE_PREEMPT:-}}" ]; then  # Slurm signals the step; the workers stop: agent fails
+    kill -USR1 $PPID; sleep 0.2; exit 1
+  fi
   exec {python} -c 'import json, os, sys
 status = open("/proc/self/status").read()
 ignored = int(next(l.split()[1] for l in status.splitlines() if l.startswith("SigIgn")), 16)
@@ -63,6 +66,8 @@ def run_batch(tmp_path: Path, script: Path, job_id: str = "4242", env_extra: dic
     env = batch_environment(job_id, ["n1", "n2"], bindir)
     env.update(env_extra or {})
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    if env.get("FAKE_PREEMPT"):
+        return [], proc.stdout, str(proc.returncode)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in record.read_text().splitlines()]
     return records, proc.stdout, srun_record.read_text()
@@ -257,3 +262,18 @@ def test_placement_line():
     for part in ("node=1/2", "local_world_size=2", "ranks=2-3/4", "backend=gloo", "device=cpu",
                  "master=127.0.0.1:29400", "launcher=torchrun"):
         assert part in line, line
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_preemption_signal_is_noted_and_requeues(tmp_path, requeue):
+    """Slurm signals every process of the step; the node script notes it, and once the step has
+    ended the batch script requeues the job (--requeue) so it resumes from the checkpoint."""
+    script = generate(tmp_path, "--gpus-per-node", "0", "--nproc-per-node", "1",
+                      *(["--requeue"] if requeue else []))
+    _, stdout, rc = run_batch(tmp_path, script, env_extra={"FAKE_PREEMPT": "1"})
+    assert "stopped by the preemption signal" in stdout
+    requeued = tmp_path / "bin" / "scontrol-requeue.txt"
+    if requeue:
+        assert rc == "0" and requeued.read_text().split() == ["requeue", "4242"]
+    else:
+        assert rc == "1" and not requeued.exists() and "submit the script again" in stdout

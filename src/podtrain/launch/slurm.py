@@ -102,6 +102,7 @@ class SlurmJob:
     preemption: Preemption | None
     max_restarts: int
     join_timeout: int
+    requeue: bool
 
 
 def parse_signal(text: str) -> Preemption | None:
@@ -167,7 +168,8 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
         job_name=args.job_name or dns_label(f"podtrain-{Path(run_dir).name}"),
         sbatch_options=_sbatch_options(args, spec, preemption),
         srun_options=_srun_options(args), venv=str(Path(args.venv).resolve()) if args.venv else None,
-        preemption=preemption, max_restarts=args.max_restarts, join_timeout=args.join_timeout)
+        preemption=preemption, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
+        requeue=args.requeue)
 
 
 def _check_preemption(pre: Preemption | None, spec: JobSpec, time_limit: str | None) -> None:
@@ -253,7 +255,9 @@ def render_script(job: SlurmJob) -> str:
         "NPROC": str(job.spec.nproc_per_node),
         "MAX_RESTARTS": str(job.max_restarts),
         "JOIN_TIMEOUT": str(job.join_timeout),
-        "IGNORE_SIGNAL": _ignore_signal(job.preemption),
+        "NOTE_SIGNAL": _note_signal(job.preemption),
+        "RUN_TORCHRUN": _run_torchrun(job.preemption),
+        "AFTER_PREEMPTION": _after_preemption(job.requeue),
         "SRUN_EXTRA": "".join(f"{quote(o)} " for o in job.srun_options),
     }
     missing = set(re.findall(r"@@([A-Z_]+)@@", template)) - set(values)
@@ -263,12 +267,37 @@ def render_script(job: SlurmJob) -> str:
     return template
 
 
-def _ignore_signal(pre: Preemption | None) -> str:
-    if pre is None or pre.name in ("SIGTERM", "SIGINT"):
-        return ""  # torchrun itself forwards these to the workers
-    return ("# torchrun must outlive the preemption signal: Slurm sends it to every process of the\n"
-            "# step, the workers checkpoint and exit, and the agent would otherwise die first.\n"
-            f"trap '' {pre.short}\n")
+def _handles(pre: Preemption | None) -> bool:
+    """Whether the node script must shield torchrun from the signal (it relays TERM/INT itself)."""
+    return pre is not None and pre.name not in ("SIGTERM", "SIGINT")
+
+
+def _note_signal(pre: Preemption | None) -> str:
+    if not _handles(pre):
+        return ""
+    return ("# The preemption signal reaches every process of the step (Slurm signals them all): the\n"
+            "# workers checkpoint and exit. This shell only notes it, for the batch script to requeue.\n"
+            f"trap 'touch \"$PODTRAIN_PREEMPT_MARKER\"' {pre.short}\n")
+
+
+def _run_torchrun(pre: Preemption | None) -> str:
+    if not _handles(pre):
+        return 'exec "${TORCHRUN[@]}"\n'
+    return (f"# torchrun ignores {pre.name} (it would die of it and take the workers along).\n"
+            f"(trap '' {pre.short}; exec \"${{TORCHRUN[@]}}\") &\n"
+            "AGENT=$!\n"
+            "# `wait` returns early each time the trap runs: wait until torchrun has really exited.\n"
+            "while true; do\n"
+            '  rc=0; wait "$AGENT" || rc=$?\n'
+            '  kill -0 "$AGENT" 2>/dev/null || exit "$rc"\n'
+            "done\n")
+
+
+def _after_preemption(requeue: bool) -> str:
+    if requeue:
+        return ("  # Queue the job again (same id, same log): it resumes from that checkpoint.\n"
+                '  scontrol requeue "$SLURM_JOB_ID" && exit 0\n')
+    return '  echo "podtrain: submit the script again to resume (--requeue does it by itself)"\n'
 
 
 def submit(script: Path) -> str:

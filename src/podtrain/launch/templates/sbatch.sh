@@ -46,7 +46,7 @@ export PODTRAIN_HEAD_NODE PODTRAIN_HEAD_ADDR
 export PODTRAIN_NODE_SCRIPT="$RUN_DIR/logs/node-$SLURM_JOB_ID.sh"
 cat > "$PODTRAIN_NODE_SCRIPT" <<'PODTRAIN_NODE_END'
 set -euo pipefail
-@@IGNORE_SIGNAL@@# The head is the first node of this step, looked up now: after HyperPod replaces a node and
+@@NOTE_SIGNAL@@# The head is the first node of this step, looked up now: after HyperPod replaces a node and
 # auto-resume restarts the step, its address is the new allocation's, not a stale one.
 NODELIST=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
 HEAD_NODE="" HEAD_ADDR=""
@@ -67,20 +67,32 @@ read -r SELF_ADDR SELF_IFACE <<< "$ROUTE"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SELF_IFACE}
 IS_HOST=0
 if [ "${SLURMD_NODENAME:-}" = "$HEAD_NODE" ]; then IS_HOST=1; fi
+# HOSTNAME came with the batch environment from the first node: make it this node's again.
+export HOSTNAME="$(hostname)"
 NPROC=$PODTRAIN_NPROC_PER_NODE
 THREADS=$(( $(nproc) / NPROC ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
 echo "podtrain: node $SLURM_NODEID of $SLURM_JOB_NUM_NODES (${SLURMD_NODENAME:-?} $SELF_ADDR $SELF_IFACE) rendezvous $HEAD_ADDR:$PORT host=$IS_HOST"
 # torchrun, from the interpreter that has podtrain (the one `python3` names after --venv).
-exec python3 -m torch.distributed.run \
-  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC" \
-  --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$HEAD_ADDR:$PORT" \
-  --rdzv-conf="join_timeout=$PODTRAIN_JOIN_TIMEOUT,is_host=$IS_HOST" \
-  --local-addr="$SELF_ADDR" --max-restarts="$PODTRAIN_MAX_RESTARTS" \
-  -m podtrain.cli train "$PODTRAIN_CONFIG"
-PODTRAIN_NODE_END
+TORCHRUN=(python3 -m torch.distributed.run
+  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC"
+  --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$HEAD_ADDR:$PORT"
+  --rdzv-conf="join_timeout=$PODTRAIN_JOIN_TIMEOUT,is_host=$IS_HOST"
+  --local-addr="$SELF_ADDR" --max-restarts="$PODTRAIN_MAX_RESTARTS"
+  -m podtrain.cli train "$PODTRAIN_CONFIG")
+@@RUN_TORCHRUN@@PODTRAIN_NODE_END
+
+# Written by a node that received the preemption signal (its workers then checkpoint and exit).
+export PODTRAIN_PREEMPT_MARKER="$RUN_DIR/logs/preempted-$SLURM_JOB_ID"
+rm -f "$PODTRAIN_PREEMPT_MARKER"
 
 # srun --auto-resume exists on SageMaker HyperPod only: decided here, when the job runs.
 AUTO_RESUME=""
 if [ -d "${PODTRAIN_HYPERPOD_MARKER:-/opt/sagemaker_cluster}" ]; then AUTO_RESUME="--auto-resume=1"; fi
-srun $AUTO_RESUME --kill-on-bad-exit=1 @@SRUN_EXTRA@@bash "$PODTRAIN_NODE_SCRIPT"
+rc=0
+srun $AUTO_RESUME --kill-on-bad-exit=1 @@SRUN_EXTRA@@bash "$PODTRAIN_NODE_SCRIPT" || rc=$?
+# (Exit 0 despite the signal means training had finished: nothing to resume.)
+if [ "$rc" -ne 0 ] && [ -e "$PODTRAIN_PREEMPT_MARKER" ]; then
+  echo "podtrain: stopped by the preemption signal after a checkpoint (exit $rc)"
+@@AFTER_PREEMPTION@@fi
+exit "$rc"
