@@ -122,7 +122,7 @@ class CkptSection:
     every: int = 100
     """Save every N steps and at the end; 0 saves only at the end."""
     keep_last: int = 3
-    """Keep the newest K checkpoints."""
+    """Keep the newest K checkpoints; 0 keeps all."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of N, forever; 0 disables."""
     async_save: bool = True
@@ -148,10 +148,6 @@ class LogSection:
     """auto (rich bar in a terminal, plain lines otherwise), rich, plain, or off."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null looks it up (GPU) or measures it once (CPU)."""
-    sample_tokens: int = 0
-    """After training, rank 0 prints this many generated tokens; 0 skips."""
-    sample_prompt: str = "def "
-    """Prompt of the sample printed after training."""
 
 
 @dataclass
@@ -388,13 +384,12 @@ def validate(cfg: RunConfig) -> None:
         "optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
         "train.grad_clip": cfg.train.grad_clip, "ckpt.keep_every": cfg.ckpt.keep_every,
         "data.num_workers": cfg.data.num_workers, "monitor.straggler_every": cfg.monitor.straggler_every,
-        "optim.weight_decay": cfg.optim.weight_decay, "log.sample_tokens": cfg.log.sample_tokens,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "ckpt.keep_last": cfg.ckpt.keep_last,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"config key {key!r} must not be negative, got {value}")
-    if cfg.ckpt.keep_last < 1:
-        raise UserError(f"config key 'ckpt.keep_last' must be at least 1, got {cfg.ckpt.keep_last}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"config key 'optim.min_lr' ({cfg.optim.min_lr}) exceeds 'optim.lr' ({cfg.optim.lr})")
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:

@@ -396,9 +396,17 @@ class Trainer:
         return self.result
 
     def close(self) -> None:
-        """Release everything on every exit path: saves finish, threads stop, DDP goes first."""
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        """Release everything on every exit path: saves finish, threads stop, DDP goes first.
+
+        A failed background save surfaces here (on every rank alike); the rest is released anyway.
+        """
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.loader is not None:
             self.loader.close()
         if self.watchdog is not None:
