@@ -70,7 +70,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={sock}/munge.socket.2
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket={sock}/munge.socket.2,cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -82,6 +83,9 @@ MpiDefault=none
 SwitchType=switch/none
 ReturnToService=2
 SchedulerType=sched/backfill
+# Look at pending jobs every second or two (defaults: 60 s and 30 s), so a requeued job restarts
+# as soon as it may.
+SchedulerParameters=sched_interval=2,bf_interval=1
 # Keep finished jobs visible to `scontrol show job` (there is no accounting database here).
 MinJobAge=600
 KillWait=5

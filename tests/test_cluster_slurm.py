@@ -126,12 +126,9 @@ def test_two_node_job_trains_survives_a_killed_rank_and_a_preemption(
     wait_until(lambda: any(r["time"] > restarted for r in read_metrics(run_dir)),
                "a step after the restart", cluster, job_id)
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True, timeout=10)
-    # Requeued jobs wait 120 s before they are eligible again; the test plays the admin.
-    wait_until(lambda: (j := cluster.job(job_id)).get("Restarts") == "1"
-               and j.get("JobState") == "PENDING", "the requeue", cluster, job_id)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env,
-                   check=True, timeout=10)
+    # A requeued job may start again after cred_expire (10 s in the test cluster's slurm.conf).
     log = finish(cluster, job_id, run_dir)
+    assert cluster.job(job_id).get("Restarts") == "1"
 
     # The node script ran once per node and start (torchrun restarts workers, not srun), as itself.
     nodes = re.findall(r"podtrain: node (\d) of 2 \((n\d) \S+ \S+\) rendezvous (\S+) host=(\d)", log)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +37,8 @@ if [ "$1 $2" = "-m torch.distributed.run" ]; then
   exec {python} -c 'import json, os, sys
 status = open("/proc/self/status").read()
 ignored = int(next(l.split()[1] for l in status.splitlines() if l.startswith("SigIgn")), 16)
-print(json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "ignored": ignored}}))' "$@" >> {record}
+print(json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "ignored": ignored}}))' "$@" \
+    > {record}/$$.json  # one file per node: concurrent appends to one file can interleave
 fi
 exec {python} "$@"
 """
@@ -56,8 +58,9 @@ def run_batch(tmp_path: Path, script: Path, job_id: str = "4242", env_extra: dic
     """Run the batch script under the stand-ins; return (torchrun records, stdout, srun args)."""
     bindir = tmp_path / "bin"
     srun_record = fake_slurm_bin(bindir, {"n1": "10.9.0.1", "n2": "10.9.0.2"})
-    record = tmp_path / "torchrun.jsonl"
-    record.unlink(missing_ok=True)
+    record = tmp_path / "torchrun"
+    shutil.rmtree(record, ignore_errors=True)
+    record.mkdir()
     (bindir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable, record=record))
     (bindir / "python3").chmod(0o755)
     if text is not None:
@@ -69,7 +72,7 @@ def run_batch(tmp_path: Path, script: Path, job_id: str = "4242", env_extra: dic
     if env.get("FAKE_PREEMPT"):
         return [], proc.stdout, str(proc.returncode)
     assert proc.returncode == 0, proc.stderr
-    records = [json.loads(line) for line in record.read_text().splitlines()]
+    records = [json.loads(path.read_text()) for path in sorted(record.glob("*.json"))]
     return records, proc.stdout, srun_record.read_text()
 
 

@@ -23,6 +23,7 @@ rejects fields the schema does not name (the schema alone lets a misspelt field 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -222,7 +223,12 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
         container["volumeMounts"].append({"name": "shared", "mountPath": args.mount})
         container["workingDir"] = args.mount
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": args.pvc}})
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pod_spec: dict[str, Any] = {
+        "containers": [container], "volumes": volumes,
+        # Kubernetes sends SIGTERM, then SIGKILL after this: the time the run has to checkpoint
+        # (ckpt.grace_s; the Kubernetes default of 30 s is too short for a large model).
+        "terminationGracePeriodSeconds": math.ceil(spec.cfg.ckpt.grace_s),
+    }
     if spec.instance is not None:
         itype = spec.instance.name
         pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type":
