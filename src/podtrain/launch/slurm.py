@@ -13,7 +13,8 @@ rendezvous. What it gets right, each a failure users hit on real clusters:
 * EFA/NCCL variables by instance type, flight-recorder dumps into RUN_DIR/debug, the gloo restart
   fix (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts``, ``join_timeout``.
 * ``--signal=USR1@120``: Slurm signals every process of the step two minutes before the time
-  limit; torchrun ignores it, the workers checkpoint and exit (``ckpt.signals``).
+  limit; torchrun ignores it, the workers checkpoint and exit (``ckpt.signals``), and with
+  ``--requeue`` the batch script requeues the job once the step has ended, to resume from there.
 
 Everything is validated before the script is written or submitted (``jobspec.build_spec``).
 """
