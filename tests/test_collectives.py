@@ -154,6 +154,14 @@ def test_min_busbw_fails_the_run():
     assert [code for code, _ in run_ranks(_bench, 2, argv)] == [1, 1]
 
 
+def test_memory_short_on_one_rank_stops_every_rank(capfd):
+    argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1"]
+    results = run_ranks(_bench, 2, argv, env={C.LOW_MEMORY_VAR: "1"}, timeout=60)
+    assert [code for code, _ in results] == [2, 2]  # rank 0 stops too: no hang in a collective
+    err = capfd.readouterr().err
+    assert err.count("more than rank 1 on host ") == 2 and "rank 0 on host" not in err
+
+
 def test_one_process_is_a_user_error(capsys):
     assert cli_main(["bench", "collectives", "--max-bytes", "4K"]) == 2
     assert "needs at least 2 ranks" in capsys.readouterr().err

@@ -85,8 +85,11 @@ def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
     rng = random.Random(1234)
     ctx = mp.get_context("fork")
     durable, chosen = 0, []
-    started = time.monotonic()
-    for trial in range(20):
+    # 20 kills (~8 s); a slow machine whose saves rarely finish before the kill gets up to 20
+    # more, so that enough saves happen to mean something. Bounded by kills, not by wall time.
+    for trial in range(40):
+        if trial >= 20 and chosen[-1] >= 4:
+            break
         read_fd, write_fd = os.pipe()
         proc = ctx.Process(target=_saver, args=(str(tmp_path), write_fd), daemon=True)
         proc.start()
@@ -99,8 +102,7 @@ def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
             reported = [int(line) for line in fh.read().split()]
         durable = max([durable, *reported])
         chosen.append(_check_choice(tmp_path / "ckpt", durable))
-        if time.monotonic() - started > 15:
-            break
+    print(f"{len(chosen)} kills, resume choices {chosen}")
     assert chosen == sorted(chosen), "a resumed run never goes back in time"
     assert chosen[-1] >= 4, f"too few saves happened to mean anything: {chosen}"
 

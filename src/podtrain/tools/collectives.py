@@ -52,6 +52,8 @@ DTYPES = {
 GROUP_KINDS = ("intra", "inter")
 # Test-only: corrupt one element of these ops' checked result (comma list, or "all").
 CORRUPT_VAR = "PODTRAIN_TEST_CORRUPT"
+# Test-only: this rank sees no free memory, so the memory check refuses the run.
+LOW_MEMORY_VAR = "PODTRAIN_TEST_LOW_MEMORY_RANK"
 
 # The check pattern: rank r holds (3r + i) mod 11 at index i. Small integers stay exact in every
 # dtype for sums over up to 23 ranks (bf16's 8-bit mantissa), and the rank-dependent offset makes a
@@ -394,17 +396,29 @@ def require_ranks(ctx: Any) -> None:
 
 
 def check_memory(ctx: Any, opts: BenchOptions) -> None:
-    """Refuse, with one line, a largest message this node cannot hold on all its ranks."""
+    """Refuse, with one line, a largest message some node cannot hold on all its ranks.
+
+    Free memory differs by node (and by device), so each rank judges its own and the verdicts are
+    gathered: every rank raises the same UserError, naming the rank(s) and host(s) short of
+    memory, rather than only those ranks stopping while the others wait in the next collective.
+    ``PODTRAIN_TEST_LOW_MEMORY_RANK=R`` makes rank R see no free memory (tests only).
+    """
     need = max(buffer_bytes(op, max(opts.sizes), ctx.world_size) for op in opts.ops)
     avail = _available_bytes(ctx.device)
-    if avail is None:
-        return
-    share = avail // max(1, ctx.env.local_world_size)
+    if (env_flag(LOW_MEMORY_VAR) or "").strip() == str(ctx.rank):
+        avail = 0
+    share = None if avail is None else avail // max(1, ctx.env.local_world_size)
     # Keep a quarter back for the check's temporaries and everything else on the node.
-    if need > share * 0.75:
+    mine = share if share is not None and need > share * 0.75 else None
+    short = [(rank, host, got)
+             for rank, (host, got) in enumerate(ctx.all_gather_object((ctx.env.hostname, mine)))
+             if got is not None]
+    if short:
+        where = ", ".join(f"rank {rank} on host {host} (~{format_size(got)} per rank available)"
+                          for rank, host, got in short)
         raise UserError(
             f"--max-bytes {format_size(max(opts.sizes))} needs ~{format_size(need)} per rank, "
-            f"and this node has ~{format_size(share)} per rank available; lower --max-bytes")
+            f"more than {where} can hold; lower --max-bytes")
 
 
 def _available_bytes(device: torch.device) -> int | None:
