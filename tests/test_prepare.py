@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from podtrain import cli
+from podtrain.data import encode, shards
 from podtrain.data import prepare as prep
 from podtrain.data.builtin import builtin_files, iter_builtin_documents
 from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
@@ -76,8 +77,8 @@ def test_every_document_lands_once_in_its_hashed_split(tmp_path):
     docs = make_corpus(tmp_path / "c")
     res = prep.prepare(opts([tmp_path / "c"], tmp_path / "out"))
     m = res.manifest
-    want_val = sorted(t for n, t in docs.items() if prep.is_val(n, 0.2))
-    want_train = sorted(t for n, t in docs.items() if not prep.is_val(n, 0.2))
+    want_val = sorted(t for n, t in docs.items() if encode.is_val(n, 0.2))
+    want_train = sorted(t for n, t in docs.items() if not encode.is_val(n, 0.2))
     assert 0 < len(want_val) < len(docs)
     assert sorted(split_docs(tmp_path / "out", "train")) == want_train
     assert sorted(split_docs(tmp_path / "out", "val")) == want_val
@@ -127,7 +128,7 @@ def test_bpe_deterministic_with_1_and_2_workers_and_roundtrips(tmp_path):
     assert tok["files"] == ["tokenizer/tokenizer.json"]
     assert sorted(split_docs(tmp_path / "a", "train") + split_docs(tmp_path / "a", "val")) == sorted(docs.values())
     total = r1.manifest["splits"]["train"]["tokens"]
-    assert total < 0.6 * sum(len(t.encode()) for n, t in docs.items() if not prep.is_val(n, 0.2))
+    assert total < 0.6 * sum(len(t.encode()) for n, t in docs.items() if not encode.is_val(n, 0.2))
 
 
 def test_hf_tokenizer_folder_and_uint32(tmp_path):
@@ -166,7 +167,7 @@ def test_jsonl_input_with_text_field(tmp_path):
     assert got == sorted(r["body"] for r in rows if r["body"])
     val = split_docs(tmp_path / "out", "val")
     # Line i+1 holds record i; its split is the hash of "data.jsonl:LINE".
-    assert sorted(val) == sorted(rows[i]["body"] for i in range(30) if prep.is_val(f"data.jsonl:{i + 1}", 0.2))
+    assert sorted(val) == sorted(rows[i]["body"] for i in range(30) if encode.is_val(f"data.jsonl:{i + 1}", 0.2))
     assert res.manifest["text_field"] == "body"
 
 
@@ -181,7 +182,7 @@ def test_parquet_input(tmp_path):
     got = split_docs(tmp_path / "out", "train") + split_docs(tmp_path / "out", "val")
     assert sorted(got) == sorted(t for t in texts if t)
     val = split_docs(tmp_path / "out", "val")
-    assert val == [t for i, t in enumerate(texts) if t and prep.is_val(f"t.parquet#{i}", 0.2)]
+    assert val == [t for i, t in enumerate(texts) if t and encode.is_val(f"t.parquet#{i}", 0.2)]
 
 
 def test_glob_and_multiple_inputs(tmp_path):
@@ -212,7 +213,7 @@ def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monke
     make_corpus(tmp_path / "c")
     kw = {"tokenizer": tokenizer, "shard_tokens": 6000 if tokenizer == "byte" else 2500}
     ref = prep.prepare(opts([tmp_path / "c"], tmp_path / "ref", **kw))
-    finish = prep.ShardWriter._finish
+    finish = shards.ShardWriter._finish
     calls = []
 
     def dying_finish(self, *a, **kw):
@@ -221,7 +222,7 @@ def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monke
         calls.append(self.split)
         return finish(self, *a, **kw)
 
-    monkeypatch.setattr(prep.ShardWriter, "_finish", dying_finish)
+    monkeypatch.setattr(shards.ShardWriter, "_finish", dying_finish)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(opts([tmp_path / "c"], tmp_path / "out", **kw))
     assert not (tmp_path / "out/manifest.json").exists()
@@ -235,7 +236,7 @@ def test_interrupted_run_resumes_from_the_first_unfinished_shard(tmp_path, monke
                   for split in ("train", "val"))
     if tokenizer == "byte":
         assert restart > 0
-    monkeypatch.setattr(prep.ShardWriter, "_finish", finish)
+    monkeypatch.setattr(shards.ShardWriter, "_finish", finish)
     res = prep.prepare(opts([tmp_path / "c"], tmp_path / "out", **kw))
     if tok_mtime is not None:  # the trained tokenizer was reused, not trained again
         assert tok_file.stat().st_mtime_ns == tok_mtime
@@ -298,8 +299,8 @@ def test_empty_corpus(tmp_path, capsys, content):
 
 def test_undecodable_bytes_strict_replace_skip(tmp_path, capsys, monkeypatch):
     finished = []
-    finish = prep.ShardWriter._finish
-    monkeypatch.setattr(prep.ShardWriter, "_finish",
+    finish = shards.ShardWriter._finish
+    monkeypatch.setattr(shards.ShardWriter, "_finish",
                         lambda self, *a, **kw: (finished.append(self.split), finish(self, *a, **kw)))
     make_corpus(tmp_path / "c", n=10)
     bad = tmp_path / "c/zz_bad.txt"  # sorted last: earlier shards are written before the error
@@ -445,8 +446,8 @@ def test_load_tokenizer_from_bpe_data_dir_matches_trained(tmp_path):
 
 
 def test_worker_that_cannot_start_fails_instead_of_hanging():
-    spec = prep.EncodeSpec("bpe", "{not a tokenizer", 0, "uint16", 0.0, "text", "strict")
-    pool = prep._Pool(spec, 1)
+    spec = encode.EncodeSpec("bpe", "{not a tokenizer", 0, "uint16", 0.0, "text", "strict")
+    pool = encode._Pool(spec, 1)
     try:
         with pytest.raises(RuntimeError, match="prepare worker process died or could not start"):
             pool.submit([])()

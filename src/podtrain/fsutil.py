@@ -10,9 +10,25 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 FILE_MODE = 0o644
-"""Mode of files written atomically (what a plain open() gives under the usual umask 022)."""
+"""Mode of published files when the umask cannot be read (what open() gives under umask 022)."""
+
+
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file: 0666 minus this process's umask.
+
+    Read from /proc because ``os.umask`` can only be read by setting it, which races with other
+    threads creating files; ``FILE_MODE`` where /proc does not say.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return FILE_MODE
 
 
 def fsync_dir(path: Path) -> None:
@@ -24,23 +40,43 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_temp(path: Path) -> tuple[BinaryIO, Path]:
+    """A new temporary file beside ``path`` to stream into, open for writing, and its name.
+
+    Named ``.NAME.XXXXXXXX.tmp``: hidden, and findable by a cleanup after a killed run.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    return os.fdopen(fd, "wb"), Path(tmp)
+
+
+def publish_temp(fh: BinaryIO, tmp: Path, path: Path) -> None:
+    """Turn the finished temporary file ``tmp`` (open as ``fh``, which is closed) into ``path``.
+
+    mkstemp creates 0600, but run and data directories on shared storage are read by other
+    users' tools, so the file gets the mode a plain open() would have given; then its data is
+    made durable before the rename, and the rename after it.
+    """
+    os.fchmod(fh.fileno(), file_mode())
+    fh.flush()
+    os.fsync(fh.fileno())
+    fh.close()
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fh, tmp = open_temp(path)
     try:
-        # mkstemp creates 0600; run directories on shared storage are read by other users' tools.
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as fh:
+        with fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+            publish_temp(fh, tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

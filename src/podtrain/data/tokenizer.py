@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from podtrain.errors import UserError
+from podtrain.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from podtrain.data.manifest import Manifest
@@ -26,6 +27,7 @@ BYTE_VOCAB_SIZE = 257
 BYTE_EOS_ID = 256
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_DIR = "tokenizer"  # inside DATA_DIR: the files a manifest's tokenizer identity lists
 # Files copied next to tokenizer.json when present: they carry the EOS token and chat metadata.
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 # A stable identity for the byte-level tokenizer, which has no file to hash.
@@ -232,6 +234,52 @@ def _load_from_hub(name: str, eos_token: str | None) -> LoadedHF:  # pragma: no 
     eos_id = _choose_eos(tok, name, None, eos_token)
     return LoadedHF(HFTokenizer(tok, eos_id, kind="hf", name=name),
                     {TOKENIZER_FILE: tok.to_str().encode("utf-8")})
+
+
+@dataclass
+class TokenizerSetup:
+    """The tokenizer chosen for a ``prepare`` run: its identity (for the manifest), its
+    ``tokenizer.json`` text (for the workers; ``None`` for byte-level) and the files to save."""
+
+    identity: dict[str, Any]
+    tokenizer_json: str | None
+    files: dict[str, bytes]
+
+
+def byte_setup() -> TokenizerSetup:
+    """The byte-level tokenizer's setup (no files: its identity is a fixed hash)."""
+    return TokenizerSetup({"kind": "byte", "name": "byte", "vocab_size": BYTE_VOCAB_SIZE,
+                           "eos_id": BYTE_EOS_ID, "files": [],
+                           "sha256": BYTE_IDENTITY_SHA256}, None, {})
+
+
+def hf_setup(tok: HFTokenizer, files: dict[str, bytes]) -> TokenizerSetup:
+    """The setup of a trained or loaded tokenizer; ``files`` (name -> bytes) holds tokenizer.json."""
+    main = files[TOKENIZER_FILE]
+    # tokenizer.json first: from_identity and read_setup_file read files[0].
+    names = [f"{TOKENIZER_DIR}/{TOKENIZER_FILE}"] + \
+        [f"{TOKENIZER_DIR}/{n}" for n in sorted(files) if n != TOKENIZER_FILE]
+    return TokenizerSetup({"kind": tok.kind, "name": tok.name, "vocab_size": tok.vocab_size,
+                           "eos_id": tok.eos_id, "files": names,
+                           "sha256": hashlib.sha256(main).hexdigest()}, main.decode("utf-8"), files)
+
+
+def write_setup_files(out: Path, setup: TokenizerSetup) -> None:
+    """Save the setup's files under ``out/tokenizer/``."""
+    for name, blob in setup.files.items():
+        atomic_write_bytes(out / TOKENIZER_DIR / name, blob)
+
+
+def read_setup_file(out: Path, identity: dict[str, Any]) -> bytes | None:
+    """The saved tokenizer.json of ``identity`` if it is intact (``b""`` for byte-level), else ``None``."""
+    if identity["kind"] == "byte":
+        return b""
+    path = out / identity["files"][0]
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    return blob if hashlib.sha256(blob).hexdigest() == identity["sha256"] else None
 
 
 def from_identity(root: Path, identity: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
