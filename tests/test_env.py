@@ -10,7 +10,7 @@ from podtrain.errors import UserError
 def test_torchrun_variables():
     env = ClusterEnv.detect({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                              "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400",
-                             "HOSTNAME": "node-b"})
+                             "PODTRAIN_HOSTNAME": "node-b"})
     assert (env.launcher, env.rank, env.local_rank, env.world_size, env.node_rank) == ("torchrun", 5, 1, 8, 1)
     assert (env.master_addr, env.master_port, env.num_nodes, env.hostname) == ("10.0.0.7", 29400, 2, "node-b")
 

@@ -259,7 +259,7 @@ def test_placement_line():
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
     env = ClusterEnv.detect({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": "29400", "HOSTNAME": "node-b"})
+                             "MASTER_PORT": "29400", "PODTRAIN_HOSTNAME": "node-b"})
     line = placement_line(SimpleNamespace(env=env, backend="gloo", device="cpu"))
     assert line.startswith("placement: host=node-b addr=127.0.0.1 iface=")
     for part in ("node=1/2", "local_world_size=2", "ranks=2-3/4", "backend=gloo", "device=cpu",

@@ -108,3 +108,11 @@ def test_token_ids_beyond_the_model_vocabulary_are_named(tmp_path):
     with pytest.raises(UserError, match="prepare the data with the model's tokenizer"):
         check_vocab(manifest, 257)
     check_vocab(manifest, 320)
+
+
+def test_resume_with_another_seed_is_refused(tmp_path):
+    data = make_data_dir(tmp_path / "d")
+    state = loader(data, 0, 1).state_dict()
+    other = ShardedLoader(data, SEQ, GLOBAL, MICRO, 0, 1, seed=6)
+    with pytest.raises(UserError, match="run.seed is 6 but the checkpoint's data order was made with seed 5"):
+        other.load_state_dict(state)

@@ -48,3 +48,29 @@ def test_one_process_trains_and_writes_its_config(capsys, data, tmp_path, repo, 
     assert code == 0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and (tmp_path / "run" / "config.yaml").is_file()
+
+
+def _train_with_rank_local_mistake(rank, world, good, bad, run_dir):
+    from podtrain.config import load_config
+    from podtrain.errors import UserError
+    from podtrain.train.loop import train as train_run
+
+    # Only rank 1 sees a missing data directory (as with a node whose shared mount failed).
+    cfg = load_config("configs/demo.yaml", [f"data.path={bad if rank == 1 else good}", f"run.dir={run_dir}",
+                                            "data.seq_len=32", "train.micro_batch_size=2",
+                                            "train.global_batch_size=4", "monitor.watchdog=false"])
+    try:
+        train_run(cfg)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_mistake_on_one_rank_stops_every_rank(data, tmp_path, repo, monkeypatch):
+    from multirank import run_ranks
+
+    monkeypatch.chdir(repo)
+    bad = tmp_path / "missing"
+    errors = run_ranks(_train_with_rank_local_mistake, 2, str(data), str(bad), str(tmp_path / "run"), timeout=60)
+    assert errors[1] == f"data directory {bad} does not exist (run `podtrain prepare ... --out {bad}`)"
+    assert errors[0].startswith("rank 1 on ") and errors[0].endswith(errors[1])

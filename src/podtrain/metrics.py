@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from podtrain.dist.group import accelerator_memory_bytes, accelerator_name, peak_allocated_bytes
+
 log = logging.getLogger("podtrain")
 
 # Dense peak FLOP/s per device by (name fragment, precision). fp32 means plain FP32 (no TF32).
@@ -48,7 +50,9 @@ def measure_cpu_matmul_flops(seconds: float = 0.4, n: int = 768, windows: int = 
     The best of several short windows: a peak is what the core can do, and a window that another
     process interrupted would understate it (and overstate MFU).
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    # A private generator: the global RNG belongs to training (and to checkpointed RNG state).
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     torch.mm(a, b)  # warm up kernels and caches
     best = 0.0
     for _ in range(windows):
@@ -64,8 +68,9 @@ def peak_flops(device: torch.device, precision: str, override: float | None) -> 
     """Peak FLOP/s of one device for MFU: the override, the GPU table, or a CPU measurement."""
     if override:
         return float(override)
-    if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
+    name = accelerator_name(device)
+    if name is not None:
+        return gpu_peak_flops(name, precision)
     if device.type == "cpu" and precision == "fp32":
         return measure_cpu_matmul_flops()
     return None
@@ -73,16 +78,18 @@ def peak_flops(device: torch.device, precision: str, override: float | None) -> 
 
 def max_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: allocator peak on GPU, peak resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+    allocated = peak_allocated_bytes(device)
+    if allocated is not None:
+        return allocated
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     return int(rss_kib) * 1024
 
 
 def device_memory_bytes(device: torch.device, local_world_size: int) -> int | None:
     """Memory one rank may use: its GPU's, or this host's RAM shared by the local ranks."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = accelerator_memory_bytes(device)
+    if total is not None:
+        return total
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

@@ -148,7 +148,7 @@ class _StepDataset(torch.utils.data.Dataset):
         return 2**62
 
     def __getitem__(self, k: int):
-        batch = self.loader.build(self.start + k * self.loader.global_batch_size)
+        batch = self.loader.build(self.start + k * self.loader.global_batch_size, pin=False)
         return batch.micro_batches, batch.sample_ids, batch.consumed
 
 
@@ -210,16 +210,24 @@ class ShardedLoader:
             raise UserError(
                 f"data in {self.manifest.root} has {self.index.num_samples} samples per epoch but the "
                 f"checkpoint was made with {state['samples_per_epoch']}: different data or data.seq_len")
+        if state.get("seed", self.order.seed) != self.order.seed:
+            raise UserError(
+                f"run.seed is {self.order.seed} but the checkpoint's data order was made with seed "
+                f"{state['seed']}: resuming would repeat and skip samples (keep run.seed)")
         self.close()
         self.consumed = int(state["consumed"])
 
     # -- building ------------------------------------------------------------------------------
-    def build(self, start: int) -> StepBatch:
-        """This rank's batch of the step whose global batch starts at stream position ``start``."""
+    def build(self, start: int, pin: bool | None = None) -> StepBatch:
+        """This rank's batch of the step whose global batch starts at stream position ``start``.
+
+        ``pin`` defaults to ``pin_memory``; worker processes pass False (CUDA cannot be used in a
+        forked worker; the DataLoader pins in the parent instead).
+        """
         positions = rank_slice(self.global_batch_size, self.world_size, self.rank)
         ids = self.order.ids(start + positions.start, positions.stop - positions.start)
         rows = torch.from_numpy(self.index.gather(ids))
-        if self.pin_memory:
+        if self.pin_memory if pin is None else pin:
             rows = rows.pin_memory()
         micro = list(rows.split(self.micro_batch_size))
         return StepBatch(micro, ids, start + self.global_batch_size)

@@ -123,25 +123,29 @@ def read_manifest(data_dir: str | Path) -> Manifest:
     return Manifest(root=root, raw=raw)
 
 
-def verify_shards(manifest: Manifest, splits: list[str] | None = None) -> None:
-    """Check every shard's size and SHA-256 against the manifest (all splits unless ``splits``).
+def verify_shards(manifest: Manifest, splits: list[str] | None = None,
+                  part: tuple[int, int] = (0, 1)) -> None:
+    """Check shards' sizes and SHA-256 against the manifest (all splits unless ``splits``).
 
+    ``part=(i, n)`` checks every n-th shard starting at the i-th, so n ranks can share the read.
     A missing, truncated or altered shard is a one-line user error naming the shard.
     """
-    for split in splits if splits is not None else manifest.splits():
-        for shard in manifest.shards(split):
-            expected = shard.tokens * manifest.dtype.itemsize
-            try:
-                size = shard.path.stat().st_size
-            except OSError:
-                raise UserError(f"shard {shard.path} is missing (listed in {manifest.root / MANIFEST_NAME}); "
-                                "run `podtrain prepare` again") from None
-            if size != expected:
-                raise UserError(f"shard {shard.path} has {size} bytes, the manifest says {expected}; "
-                                "run `podtrain prepare` again")
-            if sha256_file(shard.path) != shard.sha256:
-                raise UserError(f"shard {shard.path}: sha256 does not match {manifest.root / MANIFEST_NAME} "
-                                "(file corrupted or changed); run `podtrain prepare` again")
+    index, count = part
+    shards = [s for split in (splits if splits is not None else manifest.splits())
+              for s in manifest.shards(split)]
+    for shard in shards[index::count]:
+        expected = shard.tokens * manifest.dtype.itemsize
+        try:
+            size = shard.path.stat().st_size
+        except OSError:
+            raise UserError(f"shard {shard.path} is missing (listed in {manifest.root / MANIFEST_NAME}); "
+                            "run `podtrain prepare` again") from None
+        if size != expected:
+            raise UserError(f"shard {shard.path} has {size} bytes, the manifest says {expected}; "
+                            "run `podtrain prepare` again")
+        if sha256_file(shard.path) != shard.sha256:
+            raise UserError(f"shard {shard.path}: sha256 does not match {manifest.root / MANIFEST_NAME} "
+                            "(file corrupted or changed); run `podtrain prepare` again")
 
 
 def check_vocab(manifest: Manifest, model_vocab_size: int) -> None:

@@ -69,7 +69,8 @@ class ClusterEnv:
     def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
         """Build the environment from launcher variables (``os.environ`` by default)."""
         env = os.environ if environ is None else environ
-        hostname = env.get("HOSTNAME") or socket.gethostname()
+        # Not $HOSTNAME: under srun it is the batch shell's, i.e. the first node's, on every node.
+        hostname = env.get("PODTRAIN_HOSTNAME") or socket.gethostname()
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls._from_torchrun(env, hostname)
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -207,3 +208,10 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """Read one podtrain variable (``PODTRAIN_*``), the sanctioned way for other modules."""
     env = os.environ if environ is None else environ
     return env.get(name)
+
+
+def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:
+    """OMP_NUM_THREADS when a launcher or the user set it (torchrun sets 1 per worker), else None."""
+    env = os.environ if environ is None else environ
+    raw = env.get("OMP_NUM_THREADS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None

@@ -17,13 +17,29 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from podtrain.config import CHOICES
 from podtrain.dist.env import ClusterEnv
 from podtrain.dist.watchdog import CollectiveRecorder
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = CHOICES["dist.backend"]
+
+
+def accelerator_name(device: torch.device) -> str | None:
+    """The GPU's product name (e.g. "NVIDIA H100 80GB HBM3"), or None on the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def peak_allocated_bytes(device: torch.device) -> int | None:
+    """The caching allocator's peak on a GPU; None on the CPU (use the process's peak RSS)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def accelerator_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of the GPU; None on the CPU."""
+    return int(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
 
 
 def resolve_backend(requested: str, cuda_available: bool | None = None) -> str:
@@ -126,6 +142,20 @@ class DistContext:
             dist.all_gather_object(out, obj)
         return out
 
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank learns whether any rank failed, so none waits in a collective for a rank
+        that stopped. Ranks without an error of their own raise one naming the failed rank and
+        host (a UserError when the original was one); a rank with its own error returns, for its
+        caller to re-raise the original with its traceback."""
+        mine = None if error is None else (isinstance(error, UserError), str(error))
+        reports = self.all_gather_object((self.env.hostname, mine))
+        if error is not None:
+            return
+        for rank, (host, report) in enumerate(reports):
+            if report is not None:
+                is_user, message = report
+                raise (UserError if is_user else RuntimeError)(f"rank {rank} on {host}: {message}")
+
     def any_true(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on at least one (one small all_reduce)."""
         if not self.initialized:
@@ -205,11 +235,13 @@ def _bracket_ipv6(addr: str) -> str:
 def cap_cpu_threads(local_world_size: int, requested: int | None = None) -> int:
     """Give each rank its share of the CPU cores so ranks do not oversubscribe them.
 
-    torchrun sets OMP_NUM_THREADS=1 on its own; a plain srun or a test does not.
+    An explicit ``requested`` wins, then OMP_NUM_THREADS (torchrun sets it to 1 per worker;
+    launch local and the Slurm script set the cores' share), else cores / local ranks.
     """
     import os
 
-    if requested is None:
-        requested = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
-    torch.set_num_threads(requested)
-    return requested
+    from podtrain.dist.env import omp_num_threads
+
+    threads = requested or omp_num_threads() or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads

@@ -8,10 +8,12 @@ DDP, optimizer, data, resume) and in the modules it calls.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
+import os
+import signal
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +83,11 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
         try:
             trainer.setup()
             return trainer.run()
+        except BaseException as exc:
+            # The traceback's frames hold the Stepper and so DDP's reducer; freeing them lets the
+            # reducer go before destroy_process_group (the exit deadlock in MACHINE-NOTES).
+            traceback.clear_frames(exc.__traceback__)
+            raise
         finally:
             trainer.close()
 
@@ -113,60 +120,75 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Model, DDP, optimizer, data, checkpoint restore: everything before the first step."""
+        """Model, DDP, optimizer, data, checkpoint restore: everything before the first step.
+
+        First what each rank can check alone (config against data and model, memory, shards),
+        then one agreement, so a mistake seen by one rank stops every rank at once instead of
+        leaving the others in a collective until the timeout.
+        """
+        cfg, ctx = self.cfg, self.ctx
+        self._start_watchdog()
+        failure = None
+        try:
+            self._setup_local()
+        except Exception as exc:
+            failure = exc
+        ctx.agree(failure)
+        if failure is not None:
+            raise failure
+        if cfg.data.verify:
+            self._verify_data(self.loader.manifest)
+        self._check_replicas(self.model, before_ddp=True)
+        self.stepper_model = self._wrap(self.model)
+        self._check_replicas(self.model, before_ddp=False)
+        self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
+                               cfg.train.grad_clip, ctx.world_size,
+                               cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
+                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view)
+        self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
+        self._setup_checkpoints()
+        self._setup_straggler_monitor()
+        if ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        self._log_start()
+
+    def _setup_local(self) -> None:
+        """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
         manifest = read_manifest(cfg.data.path)
         vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
         check_vocab(manifest, vocab)
-        if cfg.data.verify:
-            self._verify_data(manifest)
-        config = preset_config(cfg.model.preset, vocab)
-        self.model_config = config
-        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                        ctx.world_size)
-        self._check_memory(config)
-        self.precision = resolve_precision(cfg.train.precision, ctx.device)
-
-        model = build_model(config, cfg.model.attn_implementation, seed=cfg.run.seed).to(ctx.device)
-        self.model = model
-        self.size = model_size(model, config, cfg.data.seq_len)
-        if not cfg.dist.find_unused_parameters:
-            self._check_all_parameters_used(model)
-        self._check_replicas(model, before_ddp=True)
-        self.optimizer = build_optimizer(model, cfg.optim, ctx.device)
-        self.stepper_model = self._wrap(model)
-        self._check_replicas(model, before_ddp=False)
-
         self.loader = ShardedLoader(
             cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=manifest)
         self.val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
                           if cfg.eval.every and "val" in manifest.splits() else None)
-        self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
-                               cfg.train.grad_clip, ctx.world_size,
-                               cfg.train.global_batch_size * cfg.data.seq_len, ctx.device)
-
-        self._setup_checkpoints()
-        self._setup_monitoring()
-        if ctx.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
-        self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
-        self._log_start()
+        config = preset_config(cfg.model.preset, vocab)
+        self.model_config = config
+        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                        ctx.world_size)
+        self._check_memory(config)
+        self.precision = resolve_precision(cfg.train.precision, ctx.device)
+        self.model = build_model(config, cfg.model.attn_implementation, seed=cfg.run.seed).to(ctx.device)
+        self.size = model_size(self.model, config, cfg.data.seq_len)
+        if not cfg.dist.find_unused_parameters:
+            self._check_all_parameters_used(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
 
     def _verify_data(self, manifest) -> None:
-        """Rank 0 checks every shard's SHA-256; its verdict is broadcast so all ranks stop alike."""
-        error = None
-        if self.ctx.is_main:
-            try:
-                verify_shards(manifest)
-            except UserError as exc:
-                error = str(exc)
-        error = self.ctx.broadcast_object(error)
-        if error:
-            raise UserError(error)
+        """Check the shards' SHA-256 against the manifest: each rank hashes every world_size-th
+        shard (the read is shared out), and the verdicts are agreed."""
+        failure = None
+        try:
+            verify_shards(manifest, part=(self.ctx.rank, self.ctx.world_size))
+        except UserError as exc:
+            failure = exc
+        self.ctx.agree(failure)
+        if failure is not None:
+            raise failure
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (one process: no wrapper), then torch.compile when asked."""
@@ -244,17 +266,21 @@ class Trainer:
                      self.loader.epoch, self.loader.consumed)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
 
-    def _setup_monitoring(self) -> None:
-        from podtrain.dist.watchdog import Watchdog
-        from podtrain.monitor import StragglerMonitor
+    def _start_watchdog(self) -> None:
+        """Watch start-up too (dist.init_timeout_s until the first step, then dist.timeout_s)."""
+        if self.cfg.monitor.watchdog:
+            from podtrain.dist.watchdog import Watchdog
 
-        mcfg = self.cfg.monitor
-        self.straggler = (StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
-                          if mcfg.straggler_every and self.ctx.initialized else None)
-        if mcfg.watchdog:
             self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
                                      self.cfg.dist.timeout_s, recorder=self.ctx.recorder,
                                      host=self.ctx.env.hostname).start()
+
+    def _setup_straggler_monitor(self) -> None:
+        from podtrain.monitor import StragglerMonitor
+
+        mcfg = self.cfg.monitor
+        if mcfg.straggler_every and self.ctx.initialized:
+            self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
 
     def _log_start(self) -> None:
         cfg, ctx, size = self.cfg, self.ctx, self.size
@@ -323,7 +349,7 @@ class Trainer:
     def _log_interval(self, interval: "_Interval") -> None:
         loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
         if not math.isfinite(loss):
-            raise RuntimeError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
+            raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
         elapsed = interval.elapsed(time.perf_counter())
         steps = interval.steps
         tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
@@ -382,15 +408,22 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _stop_for_signal(self) -> TrainResult:
+        """Checkpoint this step on every rank, then end the job with the requeue status."""
         from podtrain.train.signals import REQUEUE_EXIT_CODE
 
-        t0 = time.perf_counter()
+        self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
-        took = time.perf_counter() - t0
-        log.warning("stop signal: saved step %d in %.1f s (%.1f s waiting for the write) of a %.0f s "
-                    "grace period; exiting with %d so the scheduler requeues", self.step, took, waited,
-                    self.cfg.ckpt.grace_s, REQUEUE_EXIT_CODE)
+        since = self.stop_signal.seconds_since_signal()
+        log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
+                    "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
+                    since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
+                    REQUEUE_EXIT_CODE)
+        self.ctx.barrier()  # every rank has its part on disk
+        if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
+            # torchrun would take our non-zero exit for a crash and restart the workers (with
+            # --max-restarts left); a SIGTERM tells its agent to stop this node instead.
+            os.kill(os.getppid(), signal.SIGTERM)
         self.result.exit_code = REQUEUE_EXIT_CODE
         self.result.step = self.step
         return self.result
@@ -400,17 +433,21 @@ class Trainer:
 
         A failed background save surfaces here (on every rank alike); the rest is released anyway.
         """
+        self._stop_watchdog()  # the last save's write and teardown are not steps
         try:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
             self._release()
 
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
     def _release(self) -> None:
         if self.loader is not None:
             self.loader.close()
-        if self.watchdog is not None:
-            self.watchdog.stop()
         if self.progress is not None:
             self.progress.close()
         if self.metrics is not None:

@@ -58,13 +58,15 @@ class StepStats:
 
         ``all_reduce_sum`` is the context's collective: every rank must call ``read`` together.
         """
-        packed = torch.stack([self.loss_sum, torch.tensor(float(self.tokens), dtype=torch.float64,
-                                                           device=self.device)])
+        tokens = torch.tensor(float(self.tokens), dtype=torch.float64, device=self.device)
+        packed = torch.stack([self.loss_sum, tokens])
         all_reduce_sum(packed)
-        loss_sum, tokens = packed.tolist()  # the one host sync of the interval
-        grad_norm = self.grad_norm_sum.item() / max(1, self.steps)
+        # The gradient norm is the same on every rank after the AllReduce: no need to reduce it,
+        # and reading it with the losses keeps this to one host sync per interval.
+        loss_sum, tokens_all, grad_norm_sum = torch.cat([packed, self.grad_norm_sum.view(1)]).tolist()
+        grad_norm = grad_norm_sum / max(1, self.steps)
         self.reset()
-        return loss_sum / max(1.0, tokens), grad_norm
+        return loss_sum / max(1.0, tokens_all), grad_norm
 
 
 class Stepper:
@@ -78,11 +80,14 @@ class Stepper:
         grad_clip: max global gradient norm; 0 disables clipping (the norm is still reported).
         world_size: number of ranks (DDP divides gradients by it).
         global_target_tokens: target tokens per optimizer step over all ranks.
+        grads_are_bucket_views: DDP's gradient_as_bucket_view is on: gradients are zeroed in
+            place rather than set to None, so they stay views of the buckets (no reallocation
+            and copy into the bucket every step).
     """
 
     def __init__(self, model: nn.Module, ddp: nn.Module | None, optimizer: torch.optim.Optimizer,
                  precision: Precision, grad_clip: float, world_size: int,
-                 global_target_tokens: int, device: torch.device):
+                 global_target_tokens: int, device: torch.device, grads_are_bucket_views: bool = False):
         self.model, self.ddp, self.optimizer = model, ddp, optimizer
         self.precision = precision
         self.scaler = precision.grad_scaler()
@@ -91,6 +96,7 @@ class Stepper:
         self.device = device
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.stats = StepStats(device)
+        self.grads_to_none = not grads_are_bucket_views
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         if last or self.ddp is None:
@@ -124,6 +130,6 @@ class Stepper:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         self.stats.grad_norm_sum += norm.detach().double()
         self.stats.steps += 1

@@ -67,8 +67,6 @@ read -r SELF_ADDR SELF_IFACE <<< "$ROUTE"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SELF_IFACE}
 IS_HOST=0
 if [ "${SLURMD_NODENAME:-}" = "$HEAD_NODE" ]; then IS_HOST=1; fi
-# HOSTNAME came with the batch environment from the first node: make it this node's again.
-export HOSTNAME="$(hostname)"
 NPROC=$PODTRAIN_NPROC_PER_NODE
 THREADS=$(( $(nproc) / NPROC ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
