@@ -3,20 +3,24 @@
 #   make test   install, then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU machines get the CPU build of torch (an open range would pull a multi-GB CUDA build).
-# On a GPU machine: make install TORCH_SPEC='torch==2.13.0' TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# torch is pinned (an open range lets pip pick the newest, multi-GB CUDA build). Where a local
+# CPU wheel is configured (pip's find-links, as on CI) the pin takes it; elsewhere choose the
+# build with TORCH_INDEX, e.g. https://download.pytorch.org/whl/cpu or .../whl/cu128.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
+# The stamp names the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
 
 .PHONY: install demo test bench clean
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
-$(VENV)/.installed: pyproject.toml
+$(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 	$(PY) -m pip install -q -e '.[test]'
+	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 # The demo starts from scratch each time (a kept runs/demo would auto-resume at its last step).
@@ -31,6 +35,10 @@ test: install
 
 bench: install
 	$(PY) bench/train_throughput.py
+	$(PY) bench/loader_throughput.py
+	$(PY) bench/prepare_throughput.py
+	$(PY) bench/checkpoint_stall.py
+	$(PY) bench/collectives_overhead.py
 
 clean:
 	rm -rf runs data

@@ -57,7 +57,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ds = Windows(os.path.join(args.data, "train_00000.bin"), args.seq_len)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=1, drop_last=True))
+    # num_workers=0: on 2 cores a worker process would steal CPU from the ranks (the harder baseline).
+    loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=0, drop_last=True))
     accum = args.global_batch // (args.micro * world)
     for step in range(args.steps):
         if step == args.warmup:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,8 +31,6 @@ class RunSection:
     """Run directory: config.yaml, metrics.jsonl, ckpt/, logs/, debug/ go here (shared by nodes)."""
     seed: int = 1234
     """Seed for model init (same on every rank) and data order."""
-    name: str = ""
-    """Free-form label written into metrics; empty means the run directory's name."""
 
 
 @dataclass
@@ -396,11 +395,25 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(
             f"config key 'train.global_batch_size' ({cfg.train.global_batch_size}) is not a multiple of "
             f"'train.micro_batch_size' ({cfg.train.micro_batch_size})")
-    import signal as _signal
-
     for name in cfg.ckpt.signals:
-        if not hasattr(_signal, name):
-            raise UserError(f"config key 'ckpt.signals' names an unknown signal {name!r}")
+        signal_from_name(name, "config key 'ckpt.signals'")
+    if cfg.eval.every and cfg.eval.max_batches < 1:
+        raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
+                        f"got {cfg.eval.max_batches}")
+
+
+def signal_from_name(name: str | int, where: str = "signal") -> signal.Signals:
+    """``"SIGTERM"``, ``"TERM"``, ``"sigusr1"`` or a number -> the signal; else a UserError
+    naming ``where``. SIGKILL and SIGSTOP are refused: a process cannot catch them."""
+    text = str(name).strip().upper()
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[
+            text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise UserError(f"{where}: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise UserError(f"{where}: {sig.name} cannot be caught")
+    return sig
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:

@@ -25,7 +25,6 @@ import argparse
 import re
 import shlex
 import shutil
-import signal as signal_module
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from podtrain import __version__
+from podtrain.config import signal_from_name
 from podtrain.errors import UserError
 from podtrain.launch.jobspec import JobSpec, absolute_paths, build_spec, check_image, config_yaml, dns_label
 
@@ -116,12 +116,7 @@ def parse_signal(text: str) -> Preemption | None:
             raise UserError(f"--signal {text}: 'B:' signals only the batch shell, which does not "
                             "reach the training processes; drop the 'B:'")
         raise UserError(f"--signal {text!r} must look like USR1@120 (signal@seconds) or 'none'")
-    raw = match[2].upper()
-    try:
-        sig = signal_module.Signals(int(raw)) if raw.isdigit() else signal_module.Signals[
-            raw if raw.startswith("SIG") else "SIG" + raw]
-    except (KeyError, ValueError):
-        raise UserError(f"--signal {text}: unknown signal {match[2]!r}") from None
+    sig = signal_from_name(match[2], f"--signal {text}")
     return Preemption(sig.name, int(match[3]))
 
 
@@ -176,7 +171,7 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
 def _check_preemption(pre: Preemption | None, spec: JobSpec, time_limit: str | None) -> None:
     if pre is None:
         return
-    if pre.name not in spec.cfg.ckpt.signals:
+    if pre.name not in {signal_from_name(n).name for n in spec.cfg.ckpt.signals}:
         raise UserError(f"--signal {pre.short}@{pre.seconds}: the training config's ckpt.signals "
                         f"({', '.join(spec.cfg.ckpt.signals)}) does not include {pre.name}, so the "
                         "run would die without a checkpoint; add it or change --signal")

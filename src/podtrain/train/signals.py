@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from podtrain.config import signal_from_name
 from podtrain.dist.env import env_flag
 from podtrain.dist.group import DistContext
 from podtrain.errors import UserError
@@ -58,15 +59,7 @@ _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 def parse_signal(name: str) -> signal.Signals:
     """``"SIGTERM"``, ``"TERM"``, ``"sigusr1"`` or a number -> the signal; else a UserError."""
-    text = str(name).strip().upper()
-    try:
-        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[
-            text if text.startswith("SIG") else "SIG" + text]
-    except (KeyError, ValueError):
-        raise UserError(f"ckpt.signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)") from None
-    if sig in _UNCATCHABLE:
-        raise UserError(f"ckpt.signals: {sig.name} cannot be caught")
-    return sig
+    return signal_from_name(name, "ckpt.signals")
 
 
 class StopSignal:
