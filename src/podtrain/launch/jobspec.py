@@ -10,6 +10,8 @@ exactly what was validated here, even if the YAML file is edited after submissio
 
 from __future__ import annotations
 
+import argparse
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,3 +131,17 @@ def dns_label(text: str, limit: int = 50) -> str:
     """``text`` as a Kubernetes/Slurm-friendly name: lower case, [a-z0-9-], trimmed."""
     name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
     return name[:limit].rstrip("-") or "podtrain"
+
+
+def add_job_arguments(parser: "argparse.ArgumentParser", unit: str, shipped_in: str) -> None:
+    """The options both cluster launchers share: the config, overrides and each ``unit``'s shape
+    (``unit`` is "node" for Slurm, "pod" for Kubernetes)."""
+    parser.add_argument("config", help=f"YAML training config (validated now, shipped in {shipped_in})")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--nodes", type=int, required=True, help=f"{unit}s to run (one torchrun each)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help=f"GPUs per {unit} (0: CPU only, then give --nproc-per-node)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help=f"training processes per {unit} (default: one per GPU)")
+    parser.add_argument("--instance-type", default=None,
+                        help="preset filling GPUs and EFA devices, e.g. p5.48xlarge, p4d.24xlarge")

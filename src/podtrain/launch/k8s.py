@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from podtrain.errors import UserError
-from podtrain.launch.jobspec import JobSpec, build_spec, check_image, config_yaml, dns_label
+from podtrain.launch.jobspec import JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label
 
 CONFIG_DIR = "/etc/podtrain"
 RDZV_PORT = 29400
@@ -43,17 +43,9 @@ MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``podtrain launch k8s``."""
-    parser.add_argument("config", help="YAML training config (validated now, shipped in a ConfigMap)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    parser.add_argument("--nodes", type=int, required=True, help="worker pods (one per node)")
+    add_job_arguments(parser, "pod", "a ConfigMap")
     parser.add_argument("--min-nodes", type=int, default=None,
                         help="elastic minimum of worker pods (default: --nodes)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs per pod (0: CPU only, then give --nproc-per-node)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="training processes per pod (default: one per GPU)")
-    parser.add_argument("--instance-type", default=None,
-                        help="preset filling GPUs and EFA devices, e.g. p5.48xlarge")
     parser.add_argument("--efa", type=int, default=None,
                         help="EFA devices per pod (default: the instance type's)")
     parser.add_argument("--image", required=True, help="container image with podtrain, tagged")

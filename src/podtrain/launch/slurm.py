@@ -35,22 +35,15 @@ from pathlib import Path
 from podtrain import __version__
 from podtrain.config import signal_from_name
 from podtrain.errors import UserError
-from podtrain.launch.jobspec import JobSpec, absolute_paths, build_spec, check_image, config_yaml, dns_label
+from podtrain.launch.jobspec import (JobSpec, absolute_paths, add_job_arguments, build_spec, check_image,
+                                     config_yaml, dns_label)
 
 HYPERPOD_MARKER = "/opt/sagemaker_cluster"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``podtrain launch slurm``."""
-    parser.add_argument("config", help="YAML training config (validated now, shipped in the script)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    parser.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help="GPUs per node (0: CPU partition, then give --nproc-per-node)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="training processes per node (default: one per GPU)")
-    parser.add_argument("--instance-type", default=None,
-                        help="preset filling GPUs and EFA settings, e.g. p5.48xlarge, p4d.24xlarge")
+    add_job_arguments(parser, "node", "the script")
     parser.add_argument("--partition", default=None, help="Slurm partition")
     parser.add_argument("--account", default=None, help="Slurm account")
     parser.add_argument("--time", default=None, help="time limit, e.g. 2-00:00:00 or 90")
