@@ -432,15 +432,6 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Rebuild a config from ``to_dict`` output (e.g. a checkpoint's copy), with validation."""
-    cfg = RunConfig()
-    for key, value in _flatten(data, source="dict").items():
-        _set(cfg, key, value)
-    validate(cfg)
-    return cfg
-
-
 def dump_config(cfg: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (temporary name, fsync, rename)."""
     from podtrain.fsutil import atomic_write_text

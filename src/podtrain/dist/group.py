@@ -117,13 +117,6 @@ class DistContext:
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise max of ``tensor`` in place across ranks and return it."""
-        if self.initialized:
-            with self.recorder.begin("all_reduce", tensor):
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor
-
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank: how a decision made by one rank reaches all."""
         if not self.initialized:
@@ -155,15 +148,6 @@ class DistContext:
             if report is not None:
                 is_user, message = report
                 raise (UserError if is_user else RuntimeError)(f"rank {rank} on {host}: {message}")
-
-    def any_true(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on at least one (one small all_reduce)."""
-        if not self.initialized:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        with self.recorder.begin("all_reduce", t):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     def set_timeout(self, seconds: float) -> None:
         """Change the collective timeout of the default group (e.g. start-up to steady state)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import re
 import statistics
 import sys
@@ -614,9 +613,3 @@ def run(args: argparse.Namespace) -> int:
         for failure in failures:
             print(f"podtrain bench collectives: FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def peak_busbw(records: list[dict[str, Any]], op: str, group: str = "world") -> float:
-    """The highest busbw measured for ``op`` (GB/s), or NaN when it was not measured."""
-    values = [r["busbw_gbps"] for r in records if r["op"] == op and r["group"] == group]
-    return max(values) if values else math.nan

@@ -111,7 +111,9 @@ class StopSignal:
             self.fault.maybe_fire(ctx.rank, current)
         self._flag[0] = 1 if self.received is not None else 0
         if ctx.initialized:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx))
+            # Recorded: between steps this is where a rank waits for one that stopped.
+            with ctx.recorder.begin("all_reduce", self._flag, caller="StopSignal.should_stop"):
+                dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx))
         stop = bool(self._flag[0])
         if stop and ctx.is_main:
             name = signal.Signals(self.received).name if self.received else "a signal on another rank"
