@@ -17,7 +17,8 @@ STEP_TIMEOUT_S = 3.0
 
 def test_flight_recorder_env_points_into_debug_dir(tmp_path):
     env = flight_recorder_env(tmp_path / "debug", buffer_size=500)
-    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "500"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # deprecated alias: a warning on every rank
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "debug" / "nccl_trace_rank_")
 

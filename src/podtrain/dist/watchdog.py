@@ -54,18 +54,17 @@ def flight_recorder_env(debug_dir: str | os.PathLike, buffer_size: int = 2000) -
 
     They are read when the process group is created, so a launcher puts them into the workers'
     environment (torchrun's, srun's, the pod spec's) rather than the training process setting
-    them late. ``TORCH_FR_*`` are the current names (torch >= 2.6, also recording gloo from 2.8);
-    the ``TORCH_NCCL_*`` duplicates serve older releases. Files are named
+    them late. ``TORCH_FR_*`` are the current names (torch >= 2.6, also recording gloo from 2.8).
+    Files are named
     ``nccl_trace_rank_<R>`` (the rank is appended by torch).
     """
     prefix = str(Path(debug_dir) / "nccl_trace_rank_")
     size = str(int(buffer_size))
+    # Only the current names: torch 2.13 warns on every rank for the old TORCH_NCCL_* aliases.
     return {
         "TORCH_FR_BUFFER_SIZE": size,
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
 
 
