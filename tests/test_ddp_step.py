@@ -89,3 +89,20 @@ def test_two_ranks_with_accumulation_match_one_process_on_the_whole_batch():
         assert torch.equal(w0[name], w1[name]), f"ranks differ in {name}"
     assert abs(loss0 - ref_loss) < 1e-5 and loss0 == loss1
     assert fired0 > 0  # gradients were communicated, and (asserted per step) only in the last backward
+
+
+def test_clipping_off_reports_the_norm_and_leaves_gradients_alone():
+    data = batches()
+    results = []
+    for clip in (0.0, 1e9):  # off, and a limit that never bites: same weights, same norm
+        model = build_model(small_config(), "eager", seed=0)
+        opt = build_optimizer(model, OptimSection(lr=1e-3, implementation="foreach"), torch.device("cpu"))
+        stepper = Stepper(model, None, opt, resolve_precision("fp32", torch.device("cpu")), clip, 1,
+                          GLOBAL * SEQ, torch.device("cpu"))
+        for rows in data:
+            stepper.step([rows])
+        loss, norm = stepper.stats.read(lambda t: t)
+        results.append((norm, [p.detach().clone() for p in model.parameters()]))
+    (norm_off, w_off), (norm_big, w_big) = results
+    assert norm_off > 0 and abs(norm_off - norm_big) < 1e-6 * norm_big
+    assert all(torch.equal(a, b) for a, b in zip(w_off, w_big))

@@ -124,7 +124,10 @@ class Stepper:
         """Unscale (fp16), clip, optimizer step, clear gradients."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        if self.grad_clip == float("inf"):  # clipping off: measure the norm, touch no gradient
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
