@@ -157,6 +157,8 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
+        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                        ctx.world_size)
         manifest = read_manifest(cfg.data.path)
         vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
         check_vocab(manifest, vocab)
@@ -167,9 +169,6 @@ class Trainer:
         self.val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
                           if cfg.eval.every and "val" in manifest.splits() else None)
         config = preset_config(cfg.model.preset, vocab)
-        self.model_config = config
-        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                        ctx.world_size)
         self._check_memory(config)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.model = build_model(config, cfg.model.attn_implementation, seed=cfg.run.seed).to(ctx.device)
