@@ -480,3 +480,28 @@ def test_resume_with_another_world_size_loads_weights_not_rng(tmp_path):
     for step, saved_world, w, _ in results:
         assert step == 2 and saved_world == 1 and same_state(weights(model), w)
     assert any("saved by 1 rank(s), this run has 2" in m for m in results[0][3])
+
+
+def _restore_failing_on_rank1(rank, world, run_dir):
+    with process_group(ClusterEnv.detect(), "gloo") as ctx:
+        model, opt = tiny()
+        ckpt = Checkpointer(Path(run_dir), CkptSection(async_save=False), ctx)
+        ckpt.save(3, model, opt, None, train_state(3))
+        ckpt.wait()
+        if rank == 1:  # this rank alone cannot load (e.g. a stale mount); the others must not wait
+            def broken(*_args):
+                raise UserError("weights unreadable here")
+            ckpt._load = broken
+        try:
+            ckpt.restore(model, opt, None)
+        except UserError as exc:
+            return str(exc)
+        finally:
+            ckpt.close()
+        return None
+
+
+def test_a_load_failure_on_one_rank_stops_every_rank(tmp_path):
+    errors = run_ranks(_restore_failing_on_rank1, 2, str(tmp_path), timeout=60)
+    assert errors[1].startswith("resuming from ") and errors[1].endswith(": weights unreadable here")
+    assert errors[0].startswith("rank 1 on ") and errors[0].endswith("weights unreadable here")

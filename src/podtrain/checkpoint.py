@@ -184,20 +184,17 @@ class Checkpointer:
             return None
         path, manifest = Path(choice["path"]), choice["manifest"]
         t0 = time.perf_counter()
-        error = None
+        failure = None
         train_state = None
         try:
             train_state = self._load(path, manifest, model, optimizer, scaler)
-        except UserError as exc:
-            error = str(exc)
-        except Exception as exc:  # reported by every rank below, so no rank waits on a dead one
-            log.exception("rank %d failed to load %s", self.ctx.rank, path)
-            error = f"{type(exc).__name__}: {exc}"
-        errors = self.ctx.all_gather_object(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            rank, err = failed[0]
-            raise UserError(f"resuming from {path} failed on rank {rank}: {err}")
+        except Exception as exc:  # agreed below, so no rank waits on one that failed
+            failure = exc
+        self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+        if isinstance(failure, UserError):
+            raise UserError(f"resuming from {path} failed: {failure}") from None
+        if failure is not None:
+            raise failure
         self._last_step = int(manifest["step"])
         log.info("resumed from %s (step %d) in %.1f s", path, self._last_step, time.perf_counter() - t0)
         return train_state
