@@ -81,9 +81,15 @@ class SampleIndex:
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The order of epoch ``epoch``: a pure function of (seed, epoch), different every epoch."""
+    """The order of epoch ``epoch``: a pure function of (seed, epoch), different every epoch.
+
+    Held in memory for the epoch: 4 bytes per sample below 2**31 samples (an in-place shuffle of
+    an int32 range; the same order as ``Generator.permutation``), so 100M samples cost 400 MB.
+    """
     rng = np.random.Generator(np.random.PCG64([seed, epoch]))
-    return rng.permutation(num_samples)
+    order = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
+    rng.shuffle(order)
+    return order
 
 
 class GlobalOrder:
