@@ -74,3 +74,14 @@ def test_a_mistake_on_one_rank_stops_every_rank(data, tmp_path, repo, monkeypatc
     errors = run_ranks(_train_with_rank_local_mistake, 2, str(data), str(bad), str(tmp_path / "run"), timeout=60)
     assert errors[1] == f"data directory {bad} does not exist (run `podtrain prepare ... --out {bad}`)"
     assert errors[0].startswith("rank 1 on ") and errors[0].endswith(errors[1])
+
+
+def test_launch_local_checks_data_and_memory_before_starting_torchrun(capsys, data, tmp_path, repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    for override, expected in ((f"data.path={tmp_path / 'nope'}", "does not exist"),
+                               ("model.preset=llama-8b", "use FSDP")):
+        code = main(["launch", "local", "configs/demo.yaml", "--nproc", "2", f"data.path={data}",
+                     f"run.dir={tmp_path / 'run'}", "data.seq_len=32", override])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

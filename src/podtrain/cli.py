@@ -58,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     if found is None:
         groups = sorted({p[0] for p in COMMANDS if len(p) == 2})
         if argv[0] in groups:
-            subs = ", ".join(p[1] for p in COMMANDS if p[0] == argv[0])
-            print(f"podtrain: error: `podtrain {argv[0]}` needs one of: {subs}", file=sys.stderr)
+            subs = [p for p in COMMANDS if p[0] == argv[0]]
+            if argv[1:2] in (["-h"], ["--help"]):
+                for path in subs:
+                    print(f"  podtrain {' '.join(path):<18} {COMMANDS[path][1]}")
+                return 0
+            print(f"podtrain: error: `podtrain {argv[0]}` needs one of: "
+                  f"{', '.join(p[1] for p in subs)}", file=sys.stderr)
         else:
             print(f"podtrain: error: unknown command {argv[0]!r} (see `podtrain --help`)", file=sys.stderr)
         return 2

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
+    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
@@ -98,6 +99,16 @@ def run(args: argparse.Namespace) -> int:
                                                 host=(i == 0), log_dir=str(log_dir)), env=env)
               for i in range(args.nnodes)]
     return _wait_forwarding_signals(agents)
+
+
+def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
+    """The checks every rank would make at start (data, vocabulary, model, memory), made once
+    here: a mistake is then one line and exit code 2, not a worker failure inside torchrun."""
+    from podtrain.dist.group import resolve_backend, resolve_device
+    from podtrain.train.loop import check_run
+
+    device = resolve_device(resolve_backend(cfg.dist.backend), 0)
+    check_run(cfg, world_size, local_world_size, device)
 
 
 def _wait_forwarding_signals(agents: list[subprocess.Popen]) -> int:

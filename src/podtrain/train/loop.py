@@ -92,6 +92,39 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
             trainer.close()
 
 
+@dataclass
+class CheckedRun:
+    """What ``check_run`` found valid: the data's manifest, the model config, the accumulation."""
+
+    manifest: Any
+    model_config: Any
+    accum: int
+    val_index: SampleIndex | None
+
+
+def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
+              device: torch.device) -> CheckedRun:
+    """The checks one process can make alone, raising a one-line UserError on a mistake: the
+    batch arithmetic, the data (manifest, vocabulary, enough tokens per split), the model preset
+    and whether its training state fits one device. Every rank runs it at start, and
+    ``launch local`` runs it before starting torchrun, so a mistake is one line, not a worker
+    failure."""
+    accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    manifest = read_manifest(cfg.data.path)
+    vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
+    check_vocab(manifest, vocab)
+    SampleIndex(manifest, "train", cfg.data.seq_len)  # enough tokens, shards present and whole
+    val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
+                 if cfg.eval.every and "val" in manifest.splits() else None)
+    model_config = preset_config(cfg.model.preset, vocab)
+    from podtrain.model import estimate_params
+
+    where = "one GPU" if device.type != "cpu" else "this rank's share of host memory"
+    check_fits(estimate_params(model_config), device_memory_bytes(device, local_world_size), where,
+               cfg.model.memory_check)
+    return CheckedRun(manifest, model_config, accum, val_index)
+
+
 def collective_timeout(watchdog_s: float) -> float:
     """The process group's timeout for a watchdog limit: longer, so that on a hang the watchdog
     fires first and writes its stack and collective dumps before torch raises its own error."""
@@ -157,22 +190,17 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
-        self.accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                        ctx.world_size)
-        manifest = read_manifest(cfg.data.path)
-        vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-        check_vocab(manifest, vocab)
+        checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
+        self.accum = checked.accum
         self.loader = ShardedLoader(
             cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
-            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=manifest)
-        self.val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
-                          if cfg.eval.every and "val" in manifest.splits() else None)
-        config = preset_config(cfg.model.preset, vocab)
-        self._check_memory(config)
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
+        self.val_index = checked.val_index
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
-        self.model = build_model(config, cfg.model.attn_implementation, seed=cfg.run.seed).to(ctx.device)
-        self.size = model_size(self.model, config, cfg.data.seq_len)
+        self.model = build_model(checked.model_config, cfg.model.attn_implementation,
+                                 seed=cfg.run.seed).to(ctx.device)
+        self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if not cfg.dist.find_unused_parameters:
             self._check_all_parameters_used(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
@@ -211,14 +239,6 @@ class Trainer:
         from podtrain.dist.watchdog import register_recording_hook
 
         register_recording_hook(self.ddp, self.ctx.recorder)
-
-    def _check_memory(self, config: Any) -> None:
-        from podtrain.model import estimate_params
-
-        params = estimate_params(config)
-        device_bytes = device_memory_bytes(self.ctx.device, self.ctx.env.local_world_size)
-        where = "one GPU" if self.ctx.is_cuda else "this rank's share of host memory"
-        check_fits(params, device_bytes, where, self.cfg.model.memory_check)
 
     def _check_all_parameters_used(self, model: torch.nn.Module) -> None:
         """One local forward/backward on a dummy batch: name parameters that get no gradient.
@@ -303,6 +323,9 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         total = cfg.train.steps
         self.progress = Progress(cfg.log.progress, total, self.step, enabled=ctx.is_main)
+        if self.step >= total:
+            log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
+                     "continue, or use a new run.dir)", self.step, total)
         interval = _Interval(time.perf_counter())
         while self.step < total:
             if self.stop_signal.should_stop(ctx, self.step):
