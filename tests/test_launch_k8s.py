@@ -105,6 +105,8 @@ def test_cpu_pytorchjob_without_gpus(tmp_path, crd_schema):
     assert "resources" not in pod["containers"][0] and "affinity" not in pod
     assert job["spec"]["elasticPolicy"]["minReplicas"] == 1
     assert "annotations" not in job["metadata"]
+    # without HyperPod: a user mistake (exit 2) is not retried, a preemption (143) is
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
 
 
 def test_schema_checks_catch_misspelt_and_mistyped_fields(tmp_path, crd_schema):

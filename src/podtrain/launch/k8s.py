@@ -250,7 +250,9 @@ def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: 
             "nprocPerNode": str(spec.nproc_per_node),
             "pytorchReplicaSpecs": {"Worker": {
                 "replicas": spec.nodes,
-                "restartPolicy": "OnFailure",  # HyperPod auto-resume requires OnFailure
+                # HyperPod auto-resume requires OnFailure. Elsewhere ExitCode: 128-255 (143 after a
+                # preemption save, a crash) restart the pod; 1-127 (2: a user mistake) do not.
+                "restartPolicy": "OnFailure" if args.hyperpod else "ExitCode",
                 "template": template,
             }},
         },

@@ -99,6 +99,18 @@ class SlurmJob:
     requeue: bool
 
 
+def _node_venv(requested: str | None) -> str | None:
+    """The virtual environment the nodes activate (--venv), resolved; without one the nodes run
+    the ``python3`` on their PATH, and a user running podtrain from a venv is told so."""
+    if requested:
+        return str(Path(requested).resolve())
+    if sys.prefix != sys.base_prefix:
+        print(f"podtrain: warning: no --venv: the nodes will run the python3 on their PATH, not "
+              f"this virtual environment ({sys.prefix}); pass --venv if podtrain lives there",
+              file=sys.stderr)
+    return None
+
+
 def parse_signal(text: str) -> Preemption | None:
     """``USR1@120`` / ``SIGUSR1@120`` / ``R:USR1@120`` -> Preemption; ``none`` -> None."""
     if text.lower() in ("none", "off", ""):
@@ -156,7 +168,7 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
         spec=spec, run_dir=run_dir, config_yaml=config_yaml(spec.cfg, updates),
         job_name=args.job_name or dns_label(f"podtrain-{Path(run_dir).name}"),
         sbatch_options=_sbatch_options(args, spec, preemption),
-        srun_options=_srun_options(args), venv=str(Path(args.venv).resolve()) if args.venv else None,
+        srun_options=_srun_options(args), venv=_node_venv(args.venv),
         preemption=preemption, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
         requeue=args.requeue)
 

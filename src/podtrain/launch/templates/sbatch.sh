@@ -88,7 +88,9 @@ rm -f "$PODTRAIN_PREEMPT_MARKER"
 AUTO_RESUME=""
 if [ -d "${PODTRAIN_HYPERPOD_MARKER:-/opt/sagemaker_cluster}" ]; then AUTO_RESUME="--auto-resume=1"; fi
 rc=0
-srun $AUTO_RESUME --kill-on-bad-exit=1 @@SRUN_EXTRA@@bash "$PODTRAIN_NODE_SCRIPT" || rc=$?
+# --cpu-bind=none: a step's task would otherwise be bound to the CPUs Slurm gives one task (often
+# one core), and torchrun's workers inherit that binding; OMP_NUM_THREADS shares the node instead.
+srun $AUTO_RESUME --kill-on-bad-exit=1 --cpu-bind=none @@SRUN_EXTRA@@bash "$PODTRAIN_NODE_SCRIPT" || rc=$?
 # (Exit 0 despite the signal means training had finished: nothing to resume.)
 if [ "$rc" -ne 0 ] && [ -e "$PODTRAIN_PREEMPT_MARKER" ]; then
   echo "podtrain: stopped by the preemption signal after a checkpoint (exit $rc)"
