@@ -99,6 +99,10 @@ def test_export_of_a_byte_run_and_its_user_errors(tmp_path, capsys):
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
     assert not (out / "tokenizer.json").exists()
     assert json.loads((out / "podtrain_export.json").read_text())["tokenizer"]["eos_id"] == 256
+    from podtrain.fsutil import file_mode
+
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: file_mode() for p in out.iterdir()}  # readable by the team, like a plain file
     capsys.readouterr()
     assert main(["export", str(tmp_path / "run"), str(out)]) == 2  # exists, not empty
     assert main(["export", str(tmp_path / "run"), str(out), "--force"]) == 0

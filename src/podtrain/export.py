@@ -20,6 +20,7 @@ from typing import Any
 from podtrain import __version__
 from podtrain.checkpoint import build_model_from_checkpoint, load_latest, run_config_of
 from podtrain.errors import UserError
+from podtrain.fsutil import file_mode
 
 EXPORT_INFO = "podtrain_export.json"
 
@@ -62,6 +63,9 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
         info = {"podtrain": __version__, "run_dir": str(run_dir), "checkpoint": str(ckpt.path),
                 "step": ckpt.step, "tokenizer": {**tokenizer, "files": copied}}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+        for path in tmp.rglob("*"):  # the weights come out 0600; an export is meant to be shared
+            if path.is_file():
+                path.chmod(file_mode())
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
