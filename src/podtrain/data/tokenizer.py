@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ BYTE_IDENTITY_SHA256 = hashlib.sha256(b"podtrain byte-level tokenizer v1: ids 0-
 # EOS candidates tried, in order, when a tokenizer folder does not name its EOS token.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 MIN_BPE_VOCAB = 258  # 256 byte symbols + EOS + at least one merge
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -149,6 +152,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         # The full byte alphabet, so any text (not only what training saw) encodes without <unk>.
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    learnt = tok.get_vocab_size()
+    if learnt < vocab_size:  # a small corpus runs out of merges: say so rather than surprise later
+        log.warning("bpe:%d: the corpus yielded only %d tokens (vocab_size is %d)", vocab_size,
+                    learnt, learnt)
     return HFTokenizer(tok, tok.token_to_id(EOS_TOKEN), kind="bpe", name=f"bpe:{vocab_size}")
 
 
