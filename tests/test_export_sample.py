@@ -99,6 +99,8 @@ def test_export_of_a_byte_run_and_its_user_errors(tmp_path, capsys):
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
     assert not (out / "tokenizer.json").exists()
     assert json.loads((out / "podtrain_export.json").read_text())["tokenizer"]["eos_id"] == 256
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == 256  # not the preset's BOS id 1
     from podtrain.fsutil import file_mode
 
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \

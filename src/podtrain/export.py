@@ -52,8 +52,10 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
     model.config.use_cache = True  # training turned the KV cache off; inference wants it
     eos = tokenizer.get("eos_id")
     if eos is not None:
-        model.config.eos_token_id = eos
-        model.generation_config.eos_token_id = eos
+        # Documents are packed as ...EOS doc EOS...: what precedes a document is EOS, so it is
+        # also the BOS (GPT-2's convention); the preset's own BOS id means nothing to this data.
+        model.config.eos_token_id = model.config.bos_token_id = eos
+        model.generation_config.eos_token_id = model.generation_config.bos_token_id = eos
         model.generation_config.pad_token_id = eos
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
