@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def loader_tokens_per_s(data, steps, workers):
@@ -40,7 +39,7 @@ def loader_tokens_per_s(data, steps, workers):
 
 
 def training_consumption(data, steps):
-    from train_throughput import free_port
+    from podtrain.launch.local import free_port
 
     with tempfile.TemporaryDirectory() as run_dir:
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

@@ -17,16 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from podtrain.launch.local import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc, *args, env_extra=None):

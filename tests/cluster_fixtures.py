@@ -22,15 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from podtrain.launch.local import free_port
+
 SLURM_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
-
-
-def free_port() -> int:
-    """A TCP port that was free on loopback a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_slurm_installed(timeout: float = 300.0) -> str | None:

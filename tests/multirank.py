@@ -10,18 +10,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from podtrain.launch.local import free_port
 
 
 def _rank_main(fn, rank, world, port, args, queue, env):

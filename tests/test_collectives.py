@@ -148,10 +148,13 @@ def test_intra_inter_groups_with_a_two_node_layout():
     assert records[4]["slowest_group"] in ([0, 2], [1, 3])
 
 
-def test_min_busbw_fails_the_run():
-    argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "2",
-            "--min-busbw", "1e6"]
-    assert [code for code, _ in run_ranks(_bench, 2, argv)] == [1, 1]
+def test_min_busbw_fails_the_run(capfd):
+    argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "2"]
+    assert [code for code, _ in run_ranks(_bench, 2, argv)] == [0, 0]  # control: same run passes
+    capfd.readouterr()
+    assert [code for code, _ in run_ranks(_bench, 2, [*argv, "--min-busbw", "1e6"])] == [1, 1]
+    err = capfd.readouterr().err
+    assert "FAIL: all_reduce 4K" in err and "< --min-busbw 1e+06" in err, err
 
 
 def test_memory_short_on_one_rank_stops_every_rank(capfd):

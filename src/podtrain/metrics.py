@@ -44,24 +44,42 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measure_cpu_matmul_flops(seconds: float = 0.4, n: int = 768, windows: int = 4) -> float:
-    """fp32 matmul FLOP/s of this process with its current thread count (the CPU 'peak').
+def best_matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, budget_s: float = 0.3,
+                        trial_s: float = 0.001, slowdown: float = 0.0) -> float:
+    """Seconds of one ``size`` x ``size`` matmul on ``device``: the best of many ~1 ms trials.
 
-    The best of several short windows: a peak is what the core can do, and a window that another
-    process interrupted would understate it (and overstate MFU).
+    A trial shorter than a scheduler time slice usually runs uninterrupted, so the best one
+    measures the device rather than the other processes sharing its cores; a device that is slow
+    all the time is slow in every trial. ``slowdown`` (the doctor's test fault) sleeps that
+    fraction of each trial. The operands come from a private generator: the global RNG belongs
+    to training and its checkpointed state.
     """
-    # A private generator: the global RNG belongs to training (and to checkpointed RNG state).
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-    torch.mm(a, b)  # warm up kernels and caches
-    best = 0.0
-    for _ in range(windows):
-        count, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < seconds / windows:
-            torch.mm(a, b)
-            count += 1
-        best = max(best, 2.0 * n**3 * count / elapsed)
+    a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
+    sync = (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
+    a @ b  # warm-up: allocations, kernels
+    sync()
+    start = time.perf_counter()
+    a @ b
+    sync()
+    reps = max(1, int(trial_s / max(1e-7, time.perf_counter() - start)))
+    best, trials, deadline = float("inf"), 0, time.perf_counter() + budget_s
+    while trials < 20 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        if slowdown:
+            time.sleep(slowdown * (time.perf_counter() - start))
+        best = min(best, (time.perf_counter() - start) / reps)
+        trials += 1
     return best
+
+
+def measure_cpu_matmul_flops(size: int = 768) -> float:
+    """fp32 matmul FLOP/s of this process with its current thread count (the CPU 'peak')."""
+    return 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32)
 
 
 def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:

@@ -40,6 +40,7 @@ import torch
 
 from podtrain.dist.env import ClusterEnv, env_flag, launcher_variables
 from podtrain.errors import UserError
+from podtrain.metrics import best_matmul_seconds
 
 SLOW_RANK_VAR = "PODTRAIN_TEST_SLOW_RANK"
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
@@ -320,40 +321,12 @@ def barrier_time(ctx: Any, repeats: int = 5) -> float | None:
     return statistics.median(times)
 
 
-def matmul_seconds(ctx: Any, size: int, slow: bool, budget_s: float = 0.3,
-                   trial_s: float = 0.001) -> tuple[float, float]:
-    """``(seconds, flops)`` of one ``size`` x ``size`` matmul on this rank's device.
-
-    The best of many ~1 ms trials over ``budget_s``: a trial shorter than a scheduler time slice
-    usually runs uninterrupted, so the best one measures the device, not the other processes
-    sharing its cores (a healthy rank on a busy machine must not look slow). A device that is
-    slow all the time (throttled, degraded) is slow in every trial. ``slow`` (tests only) adds
-    50% to every trial.
-    """
+def matmul_seconds(ctx: Any, size: int, slow: bool, budget_s: float = 0.3) -> tuple[float, float]:
+    """``(seconds, flops)`` of one ``size`` x ``size`` matmul on this rank's device (fp32 on CPU,
+    bf16 on a GPU), timed by ``metrics.best_matmul_seconds``. ``slow`` (tests only) adds 50%."""
     dtype = torch.float32 if ctx.device.type == "cpu" else torch.bfloat16
-    a = torch.randn(size, size, device=ctx.device, dtype=dtype)
-    b = torch.randn(size, size, device=ctx.device, dtype=dtype)
-    sync = (lambda: None) if ctx.device.type == "cpu" else (
-        lambda: torch.accelerator.synchronize(ctx.device))
-    a @ b  # warm-up: allocations, kernels
-    sync()
-    start = time.perf_counter()
-    a @ b
-    sync()
-    reps = max(1, int(trial_s / max(1e-7, time.perf_counter() - start)))
-    best, trials, deadline = float("inf"), 0, time.perf_counter() + budget_s
-    while trials < 20 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync()
-        elapsed = time.perf_counter() - start
-        if slow:
-            time.sleep(0.5 * elapsed)
-            elapsed = time.perf_counter() - start
-        best = min(best, elapsed / reps)
-        trials += 1
-    return best, 2.0 * size ** 3
+    seconds = best_matmul_seconds(ctx.device, size, dtype, budget_s, slowdown=0.5 if slow else 0.0)
+    return seconds, 2.0 * size ** 3
 
 
 # ---------------------------------------------------------------------------------------------
