@@ -15,7 +15,7 @@ import signal
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +62,12 @@ class TrainResult:
         exit_code: 0 when finished, the requeue code when stopped by a signal.
         final_loss: last logged training loss (token-weighted over ranks), or None.
         val_loss: last validation loss, or None.
-        records: metrics records written (rank 0) or computed (other ranks' copies are empty).
     """
 
     step: int
     exit_code: int = 0
     final_loss: float | None = None
     val_loss: float | None = None
-    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
@@ -338,7 +336,7 @@ class Trainer:
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             step_s = time.perf_counter() - t0
-            interval.add(step_s, batch.wait_s)
+            interval.add(batch.wait_s)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
@@ -394,8 +392,6 @@ class Trainer:
         self.progress.update(record)
         self.result.final_loss = loss
         self.result.step = self.step
-        if self.ctx.is_main:
-            self.result.records.append(record)
 
     def _observe_straggler(self, step_s: float, wait_s: float) -> None:
         """Feed this step's host-side times to the straggler monitor; every N steps it compares
@@ -413,8 +409,6 @@ class Trainer:
         record = {"kind": "eval", "step": self.step, "val_loss": val, "run_id": self.run_id,
                   "time": time.time()}
         self.metrics.write(record)
-        if self.ctx.is_main:
-            self.result.records.append(record)
         self.progress.note(f"step {self.step}: validation loss {val:.4f}")
         return time.perf_counter() - t0
 
@@ -488,13 +482,11 @@ class _Interval:
 
     start: float
     steps: int = 0
-    busy: float = 0.0
     wait: float = 0.0
     excluded: float = 0.0
 
-    def add(self, step_s: float, wait_s: float) -> None:
+    def add(self, wait_s: float) -> None:
         self.steps += 1
-        self.busy += step_s
         self.wait += wait_s
 
     def exclude(self, seconds: float) -> None:
