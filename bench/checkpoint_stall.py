@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from podtrain.checkpoint import Checkpointer  # noqa: E402
 from podtrain.config import CkptSection  # noqa: E402
-from podtrain.dist.env import ClusterEnv  # noqa: E402
-from podtrain.dist.group import DistContext  # noqa: E402
+from podtrain.distributed.env import ClusterEnv  # noqa: E402
+from podtrain.distributed.group import DistContext  # noqa: E402
 from podtrain.model import build_model, preset_config  # noqa: E402
 
 

@@ -74,8 +74,8 @@ def rank_main(rank, world, port, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
-    from podtrain.dist.env import ClusterEnv
-    from podtrain.dist.group import process_group
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.distributed.group import process_group
 
     results = {}
     with process_group(ClusterEnv.detect(), "gloo") as ctx:

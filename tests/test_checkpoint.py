@@ -20,8 +20,8 @@ from podtrain.checkpoint import Checkpointer, load_latest_weights
 from podtrain.ckpt import layout
 from podtrain.ckpt.tensorio import read_safetensors, write_safetensors
 from podtrain.config import CkptSection
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.group import DistContext, process_group
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import DistContext, process_group
 from podtrain.errors import UserError
 from podtrain.model import build_model, preset_config
 

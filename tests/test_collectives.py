@@ -76,8 +76,8 @@ def test_min_busbw_uses_each_ops_largest_size():
 
 def _bench(rank, world, argv, node_of_rank=None):
     """Run the CLI on this rank (the group is already up); also return the records."""
-    from podtrain.dist.env import ClusterEnv
-    from podtrain.dist.group import process_group
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.distributed.group import process_group
 
     code = cli_main(["bench", "collectives", *argv])
     records = None

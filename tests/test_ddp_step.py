@@ -6,8 +6,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from multirank import run_ranks
 from podtrain.config import OptimSection
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.group import process_group
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import process_group
 from podtrain.model import build_model
 from podtrain.train.optim import build_optimizer
 from podtrain.train.precision import resolve_precision

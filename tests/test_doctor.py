@@ -6,7 +6,7 @@ import json
 
 from multirank import run_ranks
 from podtrain.cli import main as cli_main
-from podtrain.dist.env import ClusterEnv
+from podtrain.distributed.env import ClusterEnv
 from podtrain.tools import doctor as D
 
 HOST = ClusterEnv.detect().hostname

@@ -2,8 +2,8 @@
 
 import pytest
 
-from podtrain.dist.env import ClusterEnv, expand_nodelist, slurm_port
-from podtrain.dist.group import resolve_backend
+from podtrain.distributed.env import ClusterEnv, expand_nodelist, slurm_port
+from podtrain.distributed.group import resolve_backend
 from podtrain.errors import UserError
 
 

@@ -12,8 +12,8 @@ import torch
 from podtrain.checkpoint import Checkpointer
 from podtrain.cli import main
 from podtrain.config import CkptSection
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.group import DistContext
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import DistContext
 from podtrain.model import build_model, preset_config
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",

@@ -21,7 +21,7 @@ import pytest
 from cluster_fixtures import batch_environment, fake_slurm_bin
 from podtrain.cli import main
 from podtrain.config import load_config
-from podtrain.dist.env import slurm_port
+from podtrain.distributed.env import slurm_port
 from podtrain.launch import instances, slurm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,7 +253,7 @@ def test_documented_argument_order(tmp_path, capsys):
 def test_placement_line():
     from types import SimpleNamespace
 
-    from podtrain.dist.env import ClusterEnv
+    from podtrain.distributed.env import ClusterEnv
     from podtrain.launch.placement import placement_line, route_to
 
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")

@@ -23,8 +23,8 @@ from podtrain.checkpoint import Checkpointer, read_checkpoint
 from podtrain.ckpt import layout
 from podtrain.ckpt.tensorio import read_safetensors
 from podtrain.config import CkptSection
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.group import DistContext
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import DistContext
 
 
 # -- kill -9 at random moments during saves --------------------------------------------------------

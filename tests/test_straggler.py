@@ -27,8 +27,8 @@ class _Capture(logging.Handler):
 
 
 def _ctx():
-    from podtrain.dist.env import ClusterEnv
-    from podtrain.dist.group import process_group
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.distributed.group import process_group
 
     return process_group(ClusterEnv.detect(), "gloo")
 
@@ -87,7 +87,7 @@ def _ddp_rank(rank, world):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from podtrain.dist.watchdog import register_recording_hook
+    from podtrain.distributed.watchdog import register_recording_hook
 
     torch.manual_seed(0)
     with _ctx() as ctx:

@@ -9,7 +9,7 @@ import os
 import time
 
 from multirank import free_port
-from podtrain.dist.watchdog import (HANG_EXIT_CODE, CollectiveRecorder, Watchdog,
+from podtrain.distributed.watchdog import (HANG_EXIT_CODE, CollectiveRecorder, Watchdog,
                                     flight_recorder_env)
 
 STEP_TIMEOUT_S = 3.0
@@ -97,8 +97,8 @@ def _hang_rank(rank, world, port, debug_dir):
         import torch
         import torch.distributed as dist
 
-        from podtrain.dist.env import ClusterEnv
-        from podtrain.dist.group import process_group
+        from podtrain.distributed.env import ClusterEnv
+        from podtrain.distributed.group import process_group
 
         torch.set_num_threads(1)
         # A collective timeout far beyond the watchdog's, so only the watchdog can end the wait.

@@ -58,7 +58,7 @@ from podtrain.ckpt import layout
 from podtrain.ckpt.state import capture_rng, from_plain, restore_rng, to_plain
 from podtrain.ckpt.tensorio import FileRecord, read_safetensors, write_json, write_safetensors
 from podtrain.config import CkptSection
-from podtrain.dist.group import DistContext
+from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text, fsync_dir, sha256_file
 from podtrain.model import unwrap

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from podtrain.dist.group import accelerator_memory_bytes, accelerator_name, peak_allocated_bytes
+from podtrain.distributed.group import accelerator_memory_bytes, accelerator_name, peak_allocated_bytes
 
 log = logging.getLogger("podtrain")
 

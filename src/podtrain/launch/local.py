@@ -73,7 +73,7 @@ def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = No
     ``debug_dir`` the flight recorder dumps there when a collective times out."""
     env = dict(os.environ if base is None else base)
     if debug_dir:
-        from podtrain.dist.watchdog import flight_recorder_env
+        from podtrain.distributed.watchdog import flight_recorder_env
 
         env.update(flight_recorder_env(debug_dir))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * nnodes))))
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
     """The checks every rank would make at start (data, vocabulary, model, memory), made once
     here: a mistake is then one line and exit code 2, not a worker failure inside torchrun."""
-    from podtrain.dist.group import resolve_backend, resolve_device
+    from podtrain.distributed.group import resolve_backend, resolve_device
     from podtrain.train.loop import check_run
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)

@@ -15,7 +15,7 @@ import struct
 import sys
 from typing import Any
 
-from podtrain.dist.env import launcher_variables
+from podtrain.distributed.env import launcher_variables
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -65,7 +65,7 @@ def format_placement(*, host: str, addr: str, iface: str, node_rank: int, num_no
 def placement_line(ctx: Any) -> str:
     """One line describing this node, for its first local rank to print at start.
 
-    ``ctx`` is a ``podtrain.dist.group.DistContext`` (anything with ``env``, ``backend`` and
+    ``ctx`` is a ``podtrain.distributed.group.DistContext`` (anything with ``env``, ``backend`` and
     ``device``). The interface is the one named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME when
     set (what the backend will bind), else the one the kernel routes toward the master through.
     """

@@ -5,7 +5,7 @@ rendezvous. What it gets right, each a failure users hit on real clusters:
 
 * The rendezvous endpoint is worked out on every node, when the step starts: the first node of the
   step, its address from ``scontrol show node`` (NodeAddr; Slurm node names need not resolve),
-  and a port derived from the job id (``dist.env.slurm_port``). After a HyperPod node replacement
+  and a port derived from the job id (``distributed.env.slurm_port``). After a HyperPod node replacement
   and auto-resume, it is the new allocation's address, not one computed once and gone stale.
 * The per-node script is written with a quoted heredoc, so ``$SLURM_NODEID`` and friends expand on
   each node, never once in the batch shell (which would make every node claim node 0).

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from podtrain.dist.env import ClusterEnv, env_flag
+from podtrain.distributed.env import ClusterEnv, env_flag
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -594,7 +594,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark on this rank; 0 when every result is right and fast enough, else 1."""
-    from podtrain.dist.group import process_group
+    from podtrain.distributed.group import process_group
 
     opts = options_from_args(args)
     env = ClusterEnv.detect()

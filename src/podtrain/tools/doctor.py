@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from podtrain.dist.env import ClusterEnv, env_flag, launcher_variables
+from podtrain.distributed.env import ClusterEnv, env_flag, launcher_variables
 from podtrain.errors import UserError
 from podtrain.metrics import best_matmul_seconds
 
@@ -461,7 +461,7 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the doctor on this rank; 0 when every check passes, else 1 (the same on every rank)."""
-    from podtrain.dist.group import process_group
+    from podtrain.distributed.group import process_group
 
     opts = options_from_args(args)
     env = ClusterEnv.detect()

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from podtrain.data.loader import SampleIndex, validation_ids
-from podtrain.dist.group import DistContext
+from podtrain.distributed.group import DistContext
 from podtrain.train.precision import Precision
 from podtrain.train.step import micro_batch_loss_sum
 

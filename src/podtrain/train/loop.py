@@ -26,8 +26,8 @@ from podtrain import __version__
 from podtrain.config import RunConfig, accumulation_steps, dump_config, load_config, to_dict
 from podtrain.data.loader import SampleIndex, ShardedLoader, unigram_entropy
 from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.group import DistContext, cap_cpu_threads, process_group
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
 from podtrain.errors import UserError
 from podtrain.metrics import (MetricsWriter, Progress, device_memory_bytes, max_memory_bytes,
                               peak_flops, setup_logging)
@@ -234,7 +234,7 @@ class Trainer:
     def _register_comm_hook(self) -> None:
         """Record (and time) DDP's gradient AllReduces in the rank's collective record, which the
         hang watchdog dumps; the gradients are DDP's default AllReduce's."""
-        from podtrain.dist.watchdog import register_recording_hook
+        from podtrain.distributed.watchdog import register_recording_hook
 
         register_recording_hook(self.ddp, self.ctx.recorder)
 
@@ -286,7 +286,7 @@ class Trainer:
     def _start_watchdog(self) -> None:
         """Watch start-up too (dist.init_timeout_s until the first step, then dist.timeout_s)."""
         if self.cfg.monitor.watchdog:
-            from podtrain.dist.watchdog import Watchdog
+            from podtrain.distributed.watchdog import Watchdog
 
             self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
                                      self.cfg.dist.timeout_s, recorder=self.ctx.recorder,

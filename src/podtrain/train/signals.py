@@ -22,7 +22,7 @@ even though the signal reached them at different moments.
   instead and exits non-zero, and the outer scheduler decides.
 * Shells report a process killed by SIGTERM as 143 too: "stopped by SIGTERM" either way.
 
-Fault injection for tests (``PODTRAIN_FAULT``, read through ``dist.env.env_flag``):
+Fault injection for tests (``PODTRAIN_FAULT``, read through ``distributed.env.env_flag``):
 ``action=kill|term-parent,rank=R,step=K[,delay=S][,once=PATH]`` makes rank R, at the boundary of
 step K, SIGKILL itself ``delay`` seconds later (mid-step) or SIGTERM its parent (the torchrun
 agent). ``once`` names a marker file so the fault fires only in the first attempt of a restarted
@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from podtrain.config import signal_from_name
-from podtrain.dist.env import env_flag
-from podtrain.dist.group import DistContext
+from podtrain.distributed.env import env_flag
+from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)

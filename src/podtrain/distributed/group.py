@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from podtrain.config import CHOICES
-from podtrain.dist.env import ClusterEnv
-from podtrain.dist.watchdog import CollectiveRecorder
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.watchdog import CollectiveRecorder
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def cap_cpu_threads(local_world_size: int, requested: int | None = None) -> int:
     """
     import os
 
-    from podtrain.dist.env import omp_num_threads
+    from podtrain.distributed.env import omp_num_threads
 
     threads = requested or omp_num_threads() or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
     torch.set_num_threads(threads)
