@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fault_plugin.podtrain_faults import fault_env
 import torch
 from torch import nn
 
@@ -201,9 +202,9 @@ def resumed_step(output: str) -> int:
 @pytest.mark.e2e
 def test_golden_resume_after_sigkill_of_one_rank_mid_step(golden, tmp_path):
     marker = tmp_path / "fault-fired"
-    fault = f"action=kill,rank=1,step=5,delay=0.05,once={marker}"
+    fault = f"kill:rank=1,step=5,delay=0.05,once={marker}"
     proc = launch(golden["repo"], tmp_path / "run", golden["data"], max_restarts=1,
-                  env={"PODTRAIN_FAULT": fault, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                  env={**fault_env(fault), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     code, out = finish(proc)
     assert code == 0, out[-3000:]
     assert marker.exists(), "the fault never fired"

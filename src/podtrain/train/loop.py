@@ -326,7 +326,7 @@ class Trainer:
                      "continue, or use a new run.dir)", self.step, total)
         interval = _Interval(time.perf_counter())
         while self.step < total:
-            if self.stop_signal.should_stop(ctx, self.step):
+            if self._should_stop():
                 return self._stop_for_signal()
             batch = self.loader.next()
             set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
@@ -353,6 +353,11 @@ class Trainer:
                 interval.exclude(self._save())
         self._summary()
         return self.result
+
+    def _should_stop(self) -> bool:
+        """At a step boundary, on every rank: did any rank get a stop signal? (The seam where
+        tests inject faults from outside, see tests/fault_plugin.)"""
+        return self.stop_signal.should_stop(self.ctx)
 
     def _summary(self) -> None:
         """Rank 0's closing lines: final losses against the corpus's unigram entropy."""

@@ -21,39 +21,27 @@ even though the signal reached them at different moments.
   agent restarts every worker and they resume. When the agent itself got the SIGTERM it stops
   instead and exits non-zero, and the outer scheduler decides.
 * Shells report a process killed by SIGTERM as 143 too: "stopped by SIGTERM" either way.
-
-Fault injection for tests (``PODTRAIN_FAULT``, read through ``distributed.env.env_flag``):
-``action=kill|term-parent,rank=R,step=K[,delay=S][,once=PATH]`` makes rank R, at the boundary of
-step K, SIGKILL itself ``delay`` seconds later (mid-step) or SIGTERM its parent (the torchrun
-agent). ``once`` names a marker file so the fault fires only in the first attempt of a restarted
-job.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from podtrain.config import signal_from_name
-from podtrain.distributed.env import env_flag
 from podtrain.distributed.group import DistContext
-from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
 REQUEUE_EXIT_CODE = 143
 """Exit status after a signal-triggered checkpoint: 128 + SIGTERM, retryable (see module doc)."""
 
-FAULT_ENV = "PODTRAIN_FAULT"
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -65,8 +53,7 @@ def parse_signal(name: str) -> signal.Signals:
 class StopSignal:
     """Handlers that set a stop flag; ``should_stop`` makes the ranks agree on it."""
 
-    def __init__(self, signal_names: Sequence[str] = ("SIGTERM", "SIGUSR1"),
-                 fault: "FaultPlan | None" = None) -> None:
+    def __init__(self, signal_names: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> None:
         """Install handlers for ``signal_names`` (main thread only; elsewhere, a warning)."""
         self.signals = [parse_signal(n) for n in signal_names]
         self.received: int | None = None
@@ -76,8 +63,6 @@ class StopSignal:
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._group = None
         self._group_ready = False
-        self._calls = 0
-        self.fault = fault if fault is not None else FaultPlan.from_env()
         if threading.current_thread() is not threading.main_thread():
             log.warning("stop signals not installed: only the main thread may set signal handlers")
             return
@@ -99,16 +84,11 @@ class StopSignal:
         """Seconds since this rank received its signal (to log a save against the grace period)."""
         return None if self.received_at is None else time.monotonic() - self.received_at
 
-    def should_stop(self, ctx: DistContext, step: int | None = None) -> bool:
+    def should_stop(self, ctx: DistContext) -> bool:
         """Every rank, at every step boundary: True on all ranks when any rank got a signal.
 
         One all_reduce of one int32 on a CPU (gloo) group, so no GPU synchronisation per step.
-        ``step`` (the steps completed) only drives test fault injection.
         """
-        current = self._calls if step is None else step
-        self._calls += 1
-        if self.fault is not None:
-            self.fault.maybe_fire(ctx.rank, current)
         self._flag[0] = 1 if self.received is not None else 0
         if ctx.initialized:
             # Recorded: between steps this is where a rank waits for one that stopped.
@@ -139,53 +119,3 @@ class StopSignal:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
-
-
-@dataclass(frozen=True)
-class FaultPlan:
-    """A fault a test injects into one rank at one step boundary (see the module docstring)."""
-
-    action: str
-    rank: int
-    step: int
-    delay_s: float = 0.0
-    once: Path | None = None
-
-    @classmethod
-    def from_env(cls) -> "FaultPlan | None":
-        """The plan in ``PODTRAIN_FAULT``, or None."""
-        spec = env_flag(FAULT_ENV)
-        return cls.parse(spec) if spec else None
-
-    @classmethod
-    def parse(cls, spec: str) -> "FaultPlan":
-        """``action=kill,rank=1,step=6,delay=0.05,once=/tmp/marker`` -> FaultPlan."""
-        try:
-            fields = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
-            plan = cls(action=fields["action"], rank=int(fields["rank"]), step=int(fields["step"]),
-                       delay_s=float(fields.get("delay", 0.0)),
-                       once=Path(fields["once"]) if fields.get("once") else None)
-        except (KeyError, ValueError):
-            raise UserError(f"{FAULT_ENV}={spec!r}: expected action=kill|term-parent,rank=R,step=K"
-                            "[,delay=S][,once=PATH]") from None
-        if plan.action not in ("kill", "term-parent"):
-            raise UserError(f"{FAULT_ENV}: unknown action {plan.action!r} (kill or term-parent)")
-        return plan
-
-    def maybe_fire(self, rank: int, step: int) -> bool:
-        """Fire when this is the planned rank and step (and the ``once`` marker is not there)."""
-        if rank != self.rank or step != self.step:
-            return False
-        if self.once is not None:
-            try:
-                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return False
-        log.warning("fault injection: %s on rank %d at step %d", self.action, rank, step)
-        if self.action == "kill":
-            timer = threading.Timer(self.delay_s, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.daemon = True
-            timer.start()
-        else:
-            os.kill(os.getppid(), signal.SIGTERM)
-        return True
