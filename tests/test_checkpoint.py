@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from podtrain.checkpoint import Checkpointer, load_latest_weights
 from podtrain.ckpt import layout
+from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.ckpt.reader import load_latest_weights
 from podtrain.ckpt.tensorio import read_safetensors, write_safetensors
 from podtrain.config import CkptSection
 from podtrain.distributed.env import ClusterEnv
@@ -325,7 +326,7 @@ def test_exists_disagreeing_on_rank1_does_not_hang(tmp_path):
 
 
 def _failing_rank(rank, world, run_dir):
-    import podtrain.checkpoint as ckmod
+    import podtrain.ckpt.writer as ckmod
 
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
         model, opt = tiny()

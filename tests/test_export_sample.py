@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from podtrain.checkpoint import Checkpointer
+from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.cli import main
 from podtrain.config import CkptSection
 from podtrain.distributed.env import ClusterEnv

@@ -20,8 +20,9 @@ from fault_plugin.podtrain_faults import fault_env
 import torch
 from torch import nn
 
-from podtrain.checkpoint import Checkpointer, read_checkpoint
 from podtrain.ckpt import layout
+from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.ckpt.reader import read_checkpoint
 from podtrain.ckpt.tensorio import read_safetensors
 from podtrain.config import CkptSection
 from podtrain.distributed.env import ClusterEnv

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain import __version__
-from podtrain.checkpoint import build_model_from_checkpoint, load_latest, run_config_of
+from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of
 from podtrain.errors import UserError
 from podtrain.fsutil import file_mode
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the run's newest weights and tokenizer, generate, print the text."""
-    from podtrain.checkpoint import build_model_from_checkpoint, load_latest, run_config_of
+    from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of
     from podtrain.data.tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:

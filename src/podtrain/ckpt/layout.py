@@ -5,7 +5,7 @@
     RUN_DIR/ckpt/step_000123/        one complete checkpoint (renamed into place when finished)
         model.safetensors            weights, unwrapped names, tied copies stored once
         state.safetensors            optimizer tensors, RNG tensors of every rank
-        state.json                   everything else, plain JSON (see ``podtrain.checkpoint``)
+        state.json                   everything else, plain JSON (see ``podtrain.ckpt.checkpointer``)
         config.json                  the transformers model config
         dcp/*.safetensors            (format=dcp) shards written by every rank instead of the two
                                      .safetensors files above
@@ -41,6 +41,12 @@ FORMAT = "podtrain-ckpt/1"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 ABANDONED = "abandoned"
+# The files of one checkpoint directory (see the tree above).
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+STATE_JSON = "state.json"
+CONFIG_JSON = "config.json"
+DCP_SUBDIR = "dcp"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 # Files a checkpoint may list: safetensors and JSON only (both parsed without running code).
 _ALLOWED = re.compile(r"^(?:dcp/)?[A-Za-z0-9_.\-]+\.(?:safetensors|json)$")
@@ -242,3 +248,18 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
         keep |= {s for s in mine if s % keep_every == 0}
     keep.add(current)
     return [s for s in mine if s not in keep], abandon
+
+
+def apply_retention(root: Path, current: int, keep_last: int, keep_every: int) -> None:
+    """Carry out ``retention_plan`` after saving ``current``: delete, or move to ``abandoned/``."""
+    complete = [s for s, p in list_checkpoints(root) if (p / MANIFEST).is_file()]
+    delete, abandon = retention_plan(complete, current, keep_last, keep_every)
+    for step in abandon:
+        src = root / step_name(step)
+        dst = root / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
+        dst.parent.mkdir(exist_ok=True)
+        log.warning("moving %s (newer than this run's step %d, from an earlier timeline) to %s",
+                    src, current, dst)
+        os.rename(src, dst)
+    for step in delete:
+        remove_tree(root / step_name(step))

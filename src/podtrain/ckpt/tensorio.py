@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from podtrain.ckpt.host_buffers import byte_array
+
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -43,14 +45,6 @@ class FileRecord:
 
     bytes: int
     sha256: str
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes, without a copy (it must be a contiguous CPU tensor)."""
-    flat = t.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)  # bf16 and friends have no numpy dtype; bytes always do
-    return memoryview(flat.numpy()).cast("B")
 
 
 def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:
@@ -88,7 +82,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         for t in tensors.values():
             if t.numel() == 0:
                 continue
-            data = _raw_bytes(t)
+            data = memoryview(byte_array(t)).cast("B")  # no copy
             for start in range(0, len(data), _CHUNK):
                 piece = data[start:start + _CHUNK]
                 fh.write(piece)
@@ -114,11 +108,3 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path), device="cpu")
-
-
-def read_safetensors_metadata(path: Path) -> dict[str, str]:
-    """The ``__metadata__`` string map of a safetensors file (empty when absent)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})

@@ -269,7 +269,7 @@ class Trainer:
             raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
 
     def _setup_checkpoints(self) -> None:
-        from podtrain.checkpoint import Checkpointer
+        from podtrain.ckpt.checkpointer import Checkpointer
         from podtrain.train.signals import StopSignal
 
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)

@@ -1,0 +1,240 @@
+"""Writing checkpoints in the background: the writer thread and the collectives and files of a save.
+
+The step loop hands a ``SaveJob`` (host copies of what this rank contributes) to
+``CheckpointWriter.submit``; one background thread per rank then runs the save's collectives, in a
+fixed order, on a gloo group of its own (created collectively by every rank in ``__init__``), so
+they never interleave with the main thread's collectives on the default group.
+
+* ``format=safetensors``: every rank sends its RNG states to global rank 0, which alone writes
+  ``model.safetensors`` and ``state.safetensors`` and tells the others whether it succeeded.
+* ``format=dcp``: every rank writes a share of the tensors through ``torch.distributed.checkpoint``
+  (its safetensors storage: no pickled metadata); rank 0 then hashes the shards.
+
+Either way rank 0 finishes: it writes the JSON files into a temporary directory, ``manifest.json``
+(size and SHA-256 of every file) last, fsyncs, renames the directory into place, then updates
+``latest`` and applies retention (``layout.apply_retention``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from podtrain import __version__
+from podtrain.ckpt import layout
+from podtrain.ckpt.state import to_plain
+from podtrain.ckpt.tensorio import FileRecord, write_json, write_safetensors
+from podtrain.config import CkptSection
+from podtrain.distributed.group import DistContext
+from podtrain.fsutil import atomic_write_text, fsync_dir, sha256_file
+
+# The package's one logger name, whichever module logs (users filter on it).
+log = logging.getLogger("podtrain.checkpoint")
+
+# The background group waits while rank 0 writes; a multi-GB checkpoint on a slow shared file
+# system can take many minutes, far longer than a training collective should.
+CKPT_GROUP_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class SaveJob:
+    """One save, as handed from the step loop to the background thread."""
+
+    step: int
+    rng: dict[str, Any]
+    model_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    state_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_plain: dict[str, Any] = field(default_factory=dict)
+    model_config: str | None = None
+    stall_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    write_s: float = 0.0
+    nbytes: int = 0
+
+
+class CheckpointWriter:
+    """One rank's background writer: its gloo group, its thread, and the write paths."""
+
+    def __init__(self, root: Path, cfg: CkptSection, ctx: DistContext) -> None:
+        """Every rank constructs one (it creates the background gloo group collectively)."""
+        self.root = root
+        self.cfg = cfg
+        self.ctx = ctx
+        self.group = None
+        if ctx.initialized and ctx.world_size > 1 and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=CKPT_GROUP_TIMEOUT_S))
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.last_save: dict[str, float] = {}
+        """Timings of the last finished save: step, stall_s, write_s, bytes."""
+
+    def submit(self, job: SaveJob) -> None:
+        """Queue ``job`` for the background thread (started on first use); ``job.done`` tells."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="podtrain-ckpt", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def close(self) -> None:
+        """Stop the thread after the queued jobs, release the group (never raises for the group)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as exc:  # never mask the error that brought us here
+                log.debug("destroying the checkpoint group failed: %s", exc)
+        self.group = None
+
+    # -- background thread ---------------------------------------------------------------------
+    def _worker(self) -> None:
+        while (job := self._queue.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self._write(job)
+            except BaseException as exc:  # surfaced to the step loop by Checkpointer.wait()
+                job.error = exc
+            job.write_s = time.perf_counter() - t0
+            if job.error is None:
+                self.last_save = {"step": job.step, "stall_s": job.stall_s, "write_s": job.write_s,
+                                  "bytes": job.nbytes}
+                if self.ctx.is_main:
+                    mb = job.nbytes / 1e6
+                    log.info("checkpoint step %d durable: %.1f MB written in %.2f s (%.0f MB/s) "
+                             "in the background; the step loop stalled %.3f s", job.step, mb,
+                             job.write_s, mb / max(job.write_s, 1e-9), job.stall_s)
+            job.done.set()
+
+    def _write(self, job: SaveJob) -> None:
+        """Every rank, in the background thread: the collectives of one save, in a fixed order."""
+        rngs = self._gather(job.rng)
+        if self.cfg.format == "dcp":
+            self._write_dcp(job, rngs)
+            return
+        error = None
+        if self.ctx.is_main:
+            try:
+                self._write_rank0(job, rngs)
+            except Exception as exc:
+                log.exception("writing checkpoint step %d failed", job.step)
+                error = f"{type(exc).__name__}: {exc}"
+        error = self._broadcast(error)
+        if error:
+            raise RuntimeError(f"rank 0 could not write it: {error}")
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _state_files(self, job: SaveJob, rngs: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """state.json's content and the tensors that go with it (optimizer + every rank's RNG)."""
+        tensors = dict(job.state_tensors)
+        sink = tensors.__setitem__
+        state = {"step": job.step, "aliases": job.aliases, **job.state_plain,
+                 "rng": [to_plain(r, sink, f"rng/{i}") for i, r in enumerate(rngs)]}
+        return state, tensors
+
+    def _write_rank0(self, job: SaveJob, rngs: list[dict]) -> None:
+        name = layout.step_name(job.step)
+        tmp = self.root / f"{layout.TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        state, state_tensors = self._state_files(job, rngs)
+        files = {layout.MODEL_FILE: write_safetensors(tmp / layout.MODEL_FILE, job.model_tensors,
+                                                      {"format": "pt", "podtrain": __version__}),
+                 layout.STATE_FILE: write_safetensors(tmp / layout.STATE_FILE, state_tensors)}
+        self._finish(job, tmp, state, files)
+
+    def _write_dcp(self, job: SaveJob, rngs: list[dict]) -> None:
+        """format=dcp: every rank writes a share of the tensors, rank 0 finishes the directory."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        name = layout.step_name(job.step)
+        tmp = self.root / f"{layout.TMP_PREFIX}{name}-dcp"  # every rank must know the name
+        shards = tmp / layout.DCP_SUBDIR
+        error = None
+        if self.ctx.is_main:
+            try:
+                if tmp.exists():
+                    layout.remove_tree(tmp)
+                shards.mkdir(parents=True)
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        error = self._broadcast(error)
+        state, state_tensors = self._state_files(job, rngs)
+        if not error:
+            tensors = {f"model/{k}": v for k, v in job.model_tensors.items()}
+            tensors.update({f"state/{k}": v for k, v in state_tensors.items() if not k.startswith("rng/")})
+            try:
+                writer = HuggingFaceStorageWriter(str(shards), save_distributed=True)
+                with warnings.catch_warnings():  # one process: DCP warns that it saves alone
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.save(tensors, storage_writer=writer, process_group=self.group,
+                             no_dist=self.group is None)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        # Every rank's share is on disk (or someone failed) before rank 0 seals the directory.
+        error = next((e for e in self._gather(error) if e), None)
+        if self.ctx.is_main and not error:
+            try:
+                rng_tensors = {k: v for k, v in state_tensors.items() if k.startswith("rng/")}
+                files = {layout.STATE_FILE: write_safetensors(tmp / layout.STATE_FILE, rng_tensors)}
+                for shard in sorted(shards.iterdir()):
+                    rel = f"{layout.DCP_SUBDIR}/{shard.name}"
+                    files[rel] = FileRecord(bytes=shard.stat().st_size, sha256=sha256_file(shard))
+                fsync_dir(shards)
+                self._finish(job, tmp, state, files)
+            except Exception as exc:
+                log.exception("finishing checkpoint step %d failed", job.step)
+                error = f"{type(exc).__name__}: {exc}"
+        error = self._broadcast(error)
+        if error:
+            raise RuntimeError(error)
+
+    def _finish(self, job: SaveJob, tmp: Path, state: dict, files: dict[str, FileRecord]) -> None:
+        """Rank 0: JSON files, the manifest last, rename into place, ``latest``, retention."""
+        files[layout.STATE_JSON] = write_json(tmp / layout.STATE_JSON, state)
+        if job.model_config is not None:
+            files[layout.CONFIG_JSON] = write_json(tmp / layout.CONFIG_JSON, json.loads(job.model_config))
+        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__,
+                    "layout": self.cfg.format, "world_size": self.ctx.world_size,
+                    "created": time.time(),
+                    "files": {k: {"bytes": r.bytes, "sha256": r.sha256} for k, r in files.items()}}
+        write_json(tmp / layout.MANIFEST, manifest)
+        fsync_dir(tmp)
+        final = self.root / layout.step_name(job.step)
+        if final.exists():  # the same step saved by an earlier timeline (resume=never)
+            layout.remove_tree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        atomic_write_text(self.root / layout.LATEST, final.name + "\n")
+        job.nbytes = sum(r.bytes for r in files.values())
+        layout.apply_retention(self.root, job.step, self.cfg.keep_last, self.cfg.keep_every)
