@@ -258,11 +258,23 @@ def _craft_pickle_checkpoint(root: Path, side_effect: Path, name: str) -> Path:
     return ckpt
 
 
-def test_the_payload_is_real(tmp_path):
-    """Guard for the next test: unpickling the crafted file does run the payload."""
-    marker = tmp_path / "pwned"
-    pickle.loads(pickle.dumps(_Payload(str(marker))))
-    assert marker.exists()
+def test_offline_reader_refuses_a_planted_pickle_file(tmp_path):
+    """``sample``/``export`` read through ``load_latest``: the pickle file is named, never opened.
+
+    The newer, pickle-holding checkpoint is refused rather than passed over for the valid older
+    one. Unpickling the planted file at the end proves its payload is real, so the refusal tests
+    here and below (``not side_effect.exists()``) guard against something that would happen.
+    """
+    model, opt = tiny()
+    save_sync(tmp_path, 1, model, opt)
+    side_effect = tmp_path / "pwned"
+    ckpt = _craft_pickle_checkpoint(tmp_path, side_effect, "model.pt")
+    with pytest.raises(UserError, match=r"step_000009 holds model\.pt, a pickle") as info:
+        load_latest_weights(tmp_path)
+    assert str(ckpt) in str(info.value)
+    assert not side_effect.exists()
+    pickle.loads((ckpt / "model.pt").read_bytes())
+    assert side_effect.exists()
 
 
 def _pickle_rank(rank, world, run_dir, resume):
