@@ -34,14 +34,15 @@ from podtrain.distributed.recorder import register_recording_hook
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.metrics import MetricsWriter, Progress, max_memory_bytes, peak_flops, setup_logging
-from podtrain.model import build_model, model_size, parameter_fingerprint
+from podtrain.model import build_model, model_size
 from podtrain.monitor import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
+from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
-from podtrain.train.step import Stepper, micro_batch_loss_sum
+from podtrain.train.step import Stepper
 
 log = logging.getLogger("podtrain")
 
@@ -152,9 +153,9 @@ class Trainer:
             raise failure
         if cfg.data.verify:
             self._verify_data(self.loader.manifest)
-        self._check_replicas(self.model, before_ddp=True)
+        check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
-        self._check_replicas(self.model, before_ddp=False)
+        check_replicas(self.model, ctx, before_ddp=False)
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
                                cfg.train.grad_clip, ctx.world_size,
                                cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
@@ -183,7 +184,7 @@ class Trainer:
                                  seed=cfg.run.seed).to(ctx.device)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if not cfg.dist.find_unused_parameters:
-            self._check_all_parameters_used(self.model)
+            check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
 
     def _verify_data(self, manifest) -> None:
@@ -218,34 +219,6 @@ class Trainer:
         """Record (and time) DDP's gradient AllReduces in the rank's collective record, which the
         hang watchdog dumps; the gradients are DDP's default AllReduce's."""
         register_recording_hook(self.ddp, self.ctx.recorder)
-
-    def _check_all_parameters_used(self, model: torch.nn.Module) -> None:
-        """One local forward/backward on a dummy batch: name parameters that get no gradient.
-
-        DDP without find_unused_parameters would otherwise fail later with a hard-to-read
-        reduction error (or hang on some versions). No collective is involved.
-        """
-        rows = torch.zeros(1, min(self.cfg.data.seq_len, 16) + 1, dtype=torch.long, device=self.ctx.device)
-        micro_batch_loss_sum(model, rows, resolve_precision("fp32", self.ctx.device)).backward()
-        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-        model.zero_grad(set_to_none=True)
-        if unused:
-            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise UserError(f"parameters receive no gradient: {shown}; set dist.find_unused_parameters=true "
-                            "(slower) or freeze them (requires_grad=False)")
-
-    def _check_replicas(self, model: torch.nn.Module, before_ddp: bool) -> None:
-        """Every rank must hold the same weights: compare per-parameter sums across ranks."""
-        if not self.ctx.initialized:
-            return
-        fingerprints = self.ctx.all_gather_object(parameter_fingerprint(model).cpu())
-        differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
-        if not differ:
-            return
-        if before_ddp:
-            log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
-        else:
-            raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
