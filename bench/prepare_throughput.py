@@ -36,8 +36,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import numpy as np  # noqa: E402
 
-from podtrain.data import prepare as prep  # noqa: E402
-from podtrain.data.builtin import builtin_files  # noqa: E402
+from podtrain.data.prepare import pipeline as prep  # noqa: E402
+from podtrain.data.prepare.builtin import builtin_files  # noqa: E402
 from podtrain.data.tokenizer import HFTokenizer  # noqa: E402
 
 

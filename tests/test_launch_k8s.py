@@ -83,7 +83,10 @@ def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["shm"] == "/dev/shm" and mounts["shared"] == "/fsx"
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
-    assert pod["terminationGracePeriodSeconds"] == 120  # ckpt.grace_s: time to checkpoint
+    # torchrun gives the workers ckpt.grace_s (120 s) to checkpoint after SIGTERM before it
+    # SIGKILLs them; Kubernetes waits longer than that before it SIGKILLs torchrun itself.
+    assert "--shutdown-timeout=120 " in container["command"][-1]
+    assert pod["terminationGracePeriodSeconds"] == 135
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
         {"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In",

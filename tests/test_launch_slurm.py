@@ -183,8 +183,8 @@ def test_instance_presets():
 def test_time_and_signal_parsing():
     assert [slurm.parse_time(t) for t in ("90", "1:30", "2:00:00", "1-00", "1-2:03:04")] == [
         5400, 90, 7200, 86400, 93784]
-    assert slurm.parse_signal("SIGUSR1@90") == slurm.Preemption("SIGUSR1", 90)
-    assert slurm.parse_signal("none") is None
+    assert slurm.parse_preemption("SIGUSR1@90") == slurm.Preemption("SIGUSR1", 90)
+    assert slurm.parse_preemption("none") is None
 
 
 BAD_INPUT = [
@@ -254,7 +254,7 @@ def test_placement_line():
     from types import SimpleNamespace
 
     from podtrain.distributed.env import ClusterEnv
-    from podtrain.launch.placement import placement_line, route_to
+    from podtrain.distributed.placement import placement_line, route_to
 
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
     env = ClusterEnv.detect({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",

@@ -49,11 +49,29 @@ def test_flops_per_token_counts_the_tied_head_and_attention():
     assert size.flops_per_token == 6 * size.params + 12 * 4 * 192 * 256
 
 
-def test_same_seed_same_weights_and_unwrap():
+def test_same_seed_same_weights():
     a = build_model(preset_config("tiny", 320), seed=3)
     b = build_model(preset_config("tiny", 320), seed=3)
+    c = build_model(preset_config("tiny", 320), seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    assert unwrap(torch.nn.Sequential(a)[0]) is a
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+
+
+def _unwrap_rank(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build_model(preset_config("tiny", 320), seed=3)
+    ddp = DDP(model)
+    compiled = torch.compile(ddp)  # wraps lazily: nothing is compiled until it is called
+    return [unwrap(w) is model for w in (model, ddp, compiled, torch.compile(model))], \
+        unwrap(ddp) is ddp
+
+
+def test_unwrap_sees_through_real_ddp_and_compile_wrappers():
+    from multirank import run_ranks
+
+    for seen_through, ddp_returned in run_ranks(_unwrap_rank, 2, timeout=60):
+        assert seen_through == [True, True, True, True] and not ddp_returned
 
 
 def test_eight_billion_parameters_do_not_fit_one_80gb_gpu():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from podtrain import cli
-from podtrain.data import encode, shards
-from podtrain.data import prepare as prep
-from podtrain.data.builtin import builtin_files, iter_builtin_documents
 from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
+from podtrain.data.prepare import encode, shards
+from podtrain.data.prepare import pipeline as prep
+from podtrain.data.prepare.builtin import builtin_files, iter_builtin_documents
 from podtrain.data.tokenizer import load_tokenizer, train_bpe
 from podtrain.errors import UserError
 

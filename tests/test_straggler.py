@@ -87,7 +87,7 @@ def _ddp_rank(rank, world):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from podtrain.distributed.watchdog import register_recording_hook
+    from podtrain.distributed.recorder import register_recording_hook
 
     torch.manual_seed(0)
     with _ctx() as ctx:

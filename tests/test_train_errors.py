@@ -76,8 +76,14 @@ def test_a_mistake_on_one_rank_stops_every_rank(data, tmp_path, repo, monkeypatc
     assert errors[0].startswith("rank 1 on ") and errors[0].endswith(errors[1])
 
 
-def test_launch_local_checks_data_and_memory_before_starting_torchrun(capsys, data, tmp_path, repo, monkeypatch):
+def test_launch_local_checks_data_and_memory_before_starting_torchrun_on_mocked_80gb_devices(
+        capsys, data, tmp_path, repo, monkeypatch):
     monkeypatch.chdir(repo)
+    # The memory a rank's device holds is mocked (80 GiB, an H100's): the verdict must not depend
+    # on the memory of the host the test runs on.
+    import podtrain.train.preflight as preflight
+
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda device, local_ranks: 80 * 2**30)
     for override, expected in ((f"data.path={tmp_path / 'nope'}", "does not exist"),
                                ("model.preset=llama-8b", "use FSDP")):
         code = main(["launch", "local", "configs/demo.yaml", "--nproc", "2", f"data.path={data}",

@@ -9,8 +9,9 @@ import os
 import time
 
 from multirank import free_port
-from podtrain.distributed.watchdog import (HANG_EXIT_CODE, CollectiveRecorder, Watchdog,
-                                    flight_recorder_env)
+from podtrain.distributed.recorder import CollectiveRecorder
+from podtrain.distributed.watchdog import HANG_EXIT_CODE, Watchdog
+from podtrain.launch.torchrun import flight_recorder_env
 
 STEP_TIMEOUT_S = 3.0
 

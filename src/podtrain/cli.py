@@ -16,7 +16,7 @@ from podtrain.errors import UserError
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("prepare",): ("podtrain.data.prepare", "tokenize a corpus into shards + manifest.json"),
+    ("prepare",): ("podtrain.data.prepare.cli", "tokenize a corpus into shards + manifest.json"),
     ("train",): ("podtrain.train.loop", "train (each rank runs this under torchrun or srun)"),
     ("launch", "local"): ("podtrain.launch.local", "run torchrun on this machine"),
     ("launch", "slurm"): ("podtrain.launch.slurm", "write (and submit) a Slurm batch script"),

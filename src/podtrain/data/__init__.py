@@ -1,1 +1,2 @@
-"""Data: corpora to token shards (prepare), shards to per-rank batches (loader)."""
+"""Data: corpora to token shards offline (``prepare/``), shards to per-rank batches at training
+time (``manifest``, ``tokenizer``, ``loader``, which never import ``prepare/``)."""

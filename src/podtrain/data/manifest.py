@@ -29,19 +29,14 @@ is the concatenation of its shards in order. ``documents`` counts the EOS ids in
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from podtrain.errors import UserError
 from podtrain.fsutil import sha256_file
-
-if TYPE_CHECKING:  # pragma: no cover - the loader reads manifests without importing prepare
-    from podtrain.data.prepare import PrepareOptions
-    from podtrain.data.sources import Source
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "podtrain-shards/1"
@@ -164,26 +159,3 @@ def check_vocab(manifest: Manifest, model_vocab_size: int) -> None:
             if shard.max_token_id is not None and shard.max_token_id >= model_vocab_size:
                 raise UserError(f"shard {shard.path} holds token id {shard.max_token_id}, at or above the "
                                 f"model's vocabulary size {model_vocab_size}")
-
-
-def build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[str, Any], dtype: str,
-                   shard_records: dict[str, list[dict[str, Any]]], errors: dict[str, int]) -> dict[str, Any]:
-    """The manifest of a finished ``prepare`` run, from each split's shard done records."""
-    splits = {}
-    for split, records in shard_records.items():
-        shards = [{k: r[k] for k in ("file", "tokens", "documents", "sha256", "max_token_id")}
-                  for r in records]
-        splits[split] = {"tokens": sum(s["tokens"] for s in shards),
-                         "documents": sum(s["documents"] for s in shards), "shards": shards}
-    per_input: dict[str, dict[str, int]] = {}
-    for s in sources:
-        entry = per_input.setdefault(s.input, {"files": 0, "bytes": 0})
-        if s.input == "builtin":  # the built-in corpus depends on the interpreter: say which
-            entry["python"] = sys.version.split()[0]
-        entry["files"] += 1
-        entry["bytes"] += s.size
-    return {"format": FORMAT, "tokenizer": identity, "dtype": dtype, "splits": splits,
-            "val_fraction": opts.val_fraction,
-            "sources": [{"input": k, **v} for k, v in per_input.items()],
-            "errors": {"policy": opts.errors, **errors},
-            "text_field": opts.text_field, "shard_tokens": opts.shard_tokens}

@@ -14,15 +14,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from podtrain.data.manifest import Manifest, read_manifest
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from podtrain.data.manifest import Manifest
 
 BYTE_VOCAB_SIZE = 257
 BYTE_EOS_ID = 256
@@ -38,22 +36,6 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end
 MIN_BPE_VOCAB = 258  # 256 byte symbols + EOS + at least one merge
 
 log = logging.getLogger(__name__)
-
-
-class Tokenizer(Protocol):
-    """What ``prepare`` and ``podtrain sample`` need from a tokenizer."""
-
-    vocab_size: int
-    eos_id: int
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
-
-    def encode_batch(self, texts: list[str]) -> list[Sequence[int]]:
-        """Token ids of each text."""
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -316,8 +298,6 @@ def load_tokenizer(data_dir_or_manifest: str | Path | Manifest) -> ByteTokenizer
     Accepts the data directory or an already read ``Manifest``. The result has ``encode(text)``,
     ``decode(ids)``, ``vocab_size`` and ``eos_id``.
     """
-    from podtrain.data.manifest import Manifest, read_manifest
-
     manifest = data_dir_or_manifest if isinstance(data_dir_or_manifest, Manifest) \
         else read_manifest(data_dir_or_manifest)
     return from_identity(manifest.root, manifest.tokenizer)

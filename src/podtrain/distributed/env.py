@@ -118,7 +118,11 @@ class ClusterEnv:
         )
 
 
-def slurm_port(job_id: str, base: int = 20000, span: int = 20000) -> int:
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 20000
+
+
+def slurm_port(job_id: str, base: int = SLURM_PORT_BASE, span: int = SLURM_PORT_SPAN) -> int:
     """A rendezvous port derived from the Slurm job id, so two jobs on one node rarely collide."""
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
     return base + int(digits) % span
@@ -208,6 +212,12 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """Read one podtrain variable (``PODTRAIN_*``), the sanctioned way for other modules."""
     env = os.environ if environ is None else environ
     return env.get(name)
+
+
+def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
+    """Each rank's share of this machine's cores (at least 1): the rule ``cap_cpu_threads`` and
+    the launchers apply, so ranks never oversubscribe the cores."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, local_ranks))
 
 
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:

@@ -23,19 +23,21 @@ rejects fields the schema does not name (the schema alone lets a misspelt field 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
+from podtrain.distributed.env import DEFAULT_MASTER_PORT
 from podtrain.errors import UserError
+from podtrain.launch.torchrun import TRAIN_MODULE, kill_grace_s, shutdown_timeout_s, torchrun_flags, worker_env
 from podtrain.launch.jobspec import JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label
 
 CONFIG_DIR = "/etc/podtrain"
-RDZV_PORT = 29400
+RDZV_PORT = DEFAULT_MASTER_PORT
 HYPERPOD_AGENT_PORT = 8080  # the HyperPod elastic agent listens here
+HYPERPOD_EVAL_PERIOD_S = 1800  # restarts within this window count toward a full-job restart
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
 MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
@@ -147,12 +149,16 @@ def worker_script(hyperpod_kind: bool, spec: JobSpec, args: argparse.Namespace) 
     The PyTorchJob variant leaves nnodes, rendezvous and restarts to the ``PET_*`` variables the
     training operator sets from ``elasticPolicy``.
     """
+    train = " ".join(TRAIN_MODULE) + ' "$PODTRAIN_CONFIG"'
+    grace_s = spec.cfg.ckpt.grace_s
     if hyperpod_kind:
         return (
             "set -euo pipefail\n"
             "# hyperpodrun: HyperPod's torchrun (pip hyperpod-elastic-agent), talking to its operator.\n"
+            "# Its default shutdown is SIGKILL: SIGTERM and a timeout give the workers their save.\n"
             f"exec hyperpodrun --nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node} "
-            "--tee=3 --log_dir=/tmp/hyperpod -m podtrain.cli train \"$PODTRAIN_CONFIG\"\n")
+            f"--shutdown-signal=SIGTERM --shutdown-timeout={shutdown_timeout_s(grace_s)} "
+            f"--tee=3 --log_dir=/tmp/hyperpod {train}\n")
     return (
         "set -euo pipefail\n"
         "# Pod DNS names are published a few seconds after the pods start: wait for the\n"
@@ -163,23 +169,14 @@ def worker_script(hyperpod_kind: bool, spec: JobSpec, args: argparse.Namespace) 
         "{ echo \"podtrain: rendezvous host $host does not resolve\" >&2; exit 1; }\n"
         "# torchrun takes nnodes, rendezvous and max-restarts from the operator's PET_* variables;\n"
         "# nproc is explicit because operator versions disagree on PET_NPROC_PER_NODE.\n"
-        f"exec python3 -m torch.distributed.run --nproc-per-node={spec.nproc_per_node} "
-        '--local-addr="$POD_IP" -m podtrain.cli train "$PODTRAIN_CONFIG"\n')
+        "exec python3 -m torch.distributed.run "
+        + " ".join(torchrun_flags(nproc=spec.nproc_per_node, local_addr='"$POD_IP"', grace_s=grace_s))
+        + f" {train}\n")
 
 
 def _environment(spec: JobSpec, run_dir: str) -> list[dict[str, Any]]:
-    env: dict[str, str] = {
-        "PODTRAIN_CONFIG": f"{CONFIG_DIR}/config.yaml",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # reliable worker-group restarts
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        # Flight recorder (torch >= 2.7 names): last collectives dumped on a timeout.
-        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/debug/nccl_trace_rank_",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if spec.gpus_per_node:
-        env["NCCL_SOCKET_IFNAME"] = "^lo,docker,veth"
-    env.update(spec.fabric_env())
+    env = {"PODTRAIN_CONFIG": f"{CONFIG_DIR}/config.yaml",
+           **worker_env(f"{run_dir}/debug", gpus=bool(spec.gpus_per_node)), **spec.fabric_env()}
     items: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
     items.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return items
@@ -217,9 +214,9 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": args.pvc}})
     pod_spec: dict[str, Any] = {
         "containers": [container], "volumes": volumes,
-        # Kubernetes sends SIGTERM, then SIGKILL after this: the time the run has to checkpoint
-        # (ckpt.grace_s; the Kubernetes default of 30 s is too short for a large model).
-        "terminationGracePeriodSeconds": math.ceil(spec.cfg.ckpt.grace_s),
+        # Kubernetes sends SIGTERM, then SIGKILL after this: longer than torchrun's shutdown
+        # timeout (ckpt.grace_s), so the workers' checkpoint finishes and torchrun exits itself.
+        "terminationGracePeriodSeconds": kill_grace_s(spec.cfg.ckpt.grace_s),
     }
     if spec.instance is not None:
         itype = spec.instance.name
@@ -270,6 +267,7 @@ def _hyperpod_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace:
             "runPolicy": {
                 "jobMaxRetryCount": args.max_retry,
                 "restartPolicy": {"numRestartBeforeFullJobRestart": args.max_restarts,
+                                  "evalPeriodSeconds": HYPERPOD_EVAL_PERIOD_S,
                                   "maxFullJobRestarts": 1},
                 "cleanPodPolicy": "All",
             },

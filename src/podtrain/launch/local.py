@@ -1,12 +1,9 @@
 """``podtrain launch local CONFIG --nproc N [--nnodes M]``: torchrun on this machine.
 
-What makes torchrun reliable here (see MACHINE-NOTES.md), set for every worker:
-
-* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: after a restart (``--max-restarts``) workers build a
-  fresh store instead of reusing the rendezvous one that still names the dead rank's old port.
-* ``OMP_NUM_THREADS``: the cores divided among all local ranks (no oversubscription).
-* a free rendezvous port (29500 is often taken) and ``join_timeout`` so a missing agent fails in
-  a minute instead of ten.
+The workers get what every launcher gives them (``launch/torchrun.py``: reliable restarts, the
+flight recorder into RUN_DIR/debug, the shutdown timeout from ``ckpt.grace_s``), plus what a
+single machine needs: the cores shared among all local ranks (``OMP_NUM_THREADS``), a free
+rendezvous port (29500 is often taken) and a one-minute ``join_timeout``.
 
 ``--nnodes M`` starts M torchrun agents on this host, each with ``--nproc`` workers, joined by c10d
 rendezvous: the same code path as M real nodes.
@@ -25,7 +22,9 @@ from pathlib import Path
 from typing import Sequence
 
 from podtrain.config import accumulation_steps, load_config
+from podtrain.distributed.env import threads_per_rank
 from podtrain.errors import UserError
+from podtrain.launch.torchrun import TRAIN_MODULE, torchrun_flags, worker_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,21 +49,16 @@ def free_port() -> int:
 
 def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: int, port: int,
                      rdzv_id: str, max_restarts: int, join_timeout: int, host: bool,
-                     log_dir: str | None = None) -> list[str]:
+                     grace_s: float, log_dir: str | None = None) -> list[str]:
     """The torchrun command line of one agent (pure, for tests and dry runs).
 
     With ``log_dir`` every rank's stdout and stderr are also kept in files under it
     (``LOG_DIR/<run>/attempt_<k>/<local_rank>/stdout.log``), besides the console.
     """
-    conf = f"join_timeout={join_timeout}" + (",is_host=1" if host and nnodes > 1 else "")
-    logs = ["--log-dir", log_dir, "--tee", "3"] if log_dir else []
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-        f"--rdzv-conf={conf}", f"--max-restarts={max_restarts}", *logs,
-        "-m", "podtrain.cli", "train", config, *overrides,
-    ]
+    flags = torchrun_flags(nnodes=nnodes, nproc=nproc, rdzv_endpoint=f"127.0.0.1:{port}",
+                           rdzv_id=rdzv_id, join_timeout=join_timeout, is_host=host and nnodes > 1,
+                           max_restarts=max_restarts, grace_s=grace_s, log_dir=log_dir)
+    return [sys.executable, "-m", "torch.distributed.run", *flags, *TRAIN_MODULE, config, *overrides]
 
 
 def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = None,
@@ -72,13 +66,8 @@ def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = No
     """The environment torchrun passes to its workers (see the module docstring); with
     ``debug_dir`` the flight recorder dumps there when a collective times out."""
     env = dict(os.environ if base is None else base)
-    if debug_dir:
-        from podtrain.distributed.watchdog import flight_recorder_env
-
-        env.update(flight_recorder_env(debug_dir))
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc * nnodes))))
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(worker_env(debug_dir, gpus=False))
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc * nnodes)))
     return env
 
 
@@ -96,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,
                                                 port, rdzv_id, args.max_restarts, args.join_timeout,
-                                                host=(i == 0), log_dir=str(log_dir)), env=env)
+                                                host=(i == 0), grace_s=cfg.ckpt.grace_s,
+                                                log_dir=str(log_dir)), env=env)
               for i in range(args.nnodes)]
     return _wait_forwarding_signals(agents)
 
@@ -105,7 +95,7 @@ def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
     """The checks every rank would make at start (data, vocabulary, model, memory), made once
     here: a mistake is then one line and exit code 2, not a worker failure inside torchrun."""
     from podtrain.distributed.group import resolve_backend, resolve_device
-    from podtrain.train.loop import check_run
+    from podtrain.train.preflight import check_run
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)
     check_run(cfg, world_size, local_world_size, device)

@@ -34,7 +34,9 @@ from pathlib import Path
 
 from podtrain import __version__
 from podtrain.config import signal_from_name
+from podtrain.distributed.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from podtrain.errors import UserError
+from podtrain.launch.torchrun import torchrun_flags, worker_env
 from podtrain.launch.jobspec import (JobSpec, absolute_paths, add_job_arguments, build_spec, check_image,
                                      config_yaml, dns_label)
 
@@ -111,7 +113,7 @@ def _node_venv(requested: str | None) -> str | None:
     return None
 
 
-def parse_signal(text: str) -> Preemption | None:
+def parse_preemption(text: str) -> Preemption | None:
     """``USR1@120`` / ``SIGUSR1@120`` / ``R:USR1@120`` -> Preemption; ``none`` -> None."""
     if text.lower() in ("none", "off", ""):
         return None
@@ -147,7 +149,7 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
     cwd = cwd or Path.cwd()
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
                       args.nproc_per_node, args.instance_type)
-    preemption = parse_signal(args.signal)
+    preemption = parse_preemption(args.signal)
     _check_preemption(preemption, spec, args.time)
     if args.max_restarts < 0 or args.join_timeout < 1:
         raise UserError("--max-restarts must be >= 0 and --join-timeout >= 1")
@@ -239,10 +241,14 @@ def render_script(job: SlurmJob) -> str:
     """The batch script for ``job`` (pure: the same job gives the same text)."""
     template = resources.files("podtrain.launch").joinpath("templates/sbatch.sh").read_text()
     quote = shlex.quote
-    fabric = job.spec.fabric_env()
-    if job.spec.gpus_per_node:
-        # NCCL takes ^exclusions; loopback, docker bridges and veth pairs never carry traffic.
-        fabric = {"NCCL_SOCKET_IFNAME": "${NCCL_SOCKET_IFNAME:-^lo,docker,veth}", **fabric}
+    workers = worker_env("$RUN_DIR/debug", gpus=bool(job.spec.gpus_per_node))
+    if "NCCL_SOCKET_IFNAME" in workers:  # a site's own choice wins
+        workers["NCCL_SOCKET_IFNAME"] = f"${{NCCL_SOCKET_IFNAME:-{workers['NCCL_SOCKET_IFNAME']}}}"
+    flags = torchrun_flags(nnodes="$SLURM_JOB_NUM_NODES", nproc="$NPROC",
+                           rdzv_endpoint="$HEAD_ADDR:$PORT", rdzv_id="$SLURM_JOB_ID",
+                           join_timeout=job.join_timeout, is_host="$IS_HOST",
+                           local_addr="$SELF_ADDR", max_restarts=job.max_restarts,
+                           grace_s=job.spec.cfg.ckpt.grace_s)
     values = {
         "VERSION": __version__,
         "JOB_NAME": job.job_name,
@@ -252,10 +258,11 @@ def render_script(job: SlurmJob) -> str:
         "RUN_DIR": quote(job.run_dir),
         "VENV": f"source {quote(job.venv + '/bin/activate')}\n" if job.venv else "",
         "CONFIG_YAML": job.config_yaml,
-        "FABRIC_ENV": "".join(f'export {k}="{v}"\n' for k, v in fabric.items()),
+        "WORKER_ENV": _exports(workers),
+        "FABRIC_ENV": _exports(job.spec.fabric_env()),
         "NPROC": str(job.spec.nproc_per_node),
-        "MAX_RESTARTS": str(job.max_restarts),
-        "JOIN_TIMEOUT": str(job.join_timeout),
+        "PORT_EXPR": f"$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
+        "TORCHRUN_FLAGS": " ".join(f'"{f}"' for f in flags),
         "NOTE_SIGNAL": _note_signal(job.preemption),
         "RUN_TORCHRUN": _run_torchrun(job.preemption),
         "AFTER_PREEMPTION": _after_preemption(job.requeue),
@@ -266,6 +273,11 @@ def render_script(job: SlurmJob) -> str:
     for key, value in values.items():
         template = template.replace(f"@@{key}@@", value)
     return template
+
+
+def _exports(variables: dict[str, str]) -> str:
+    """``export K="V"`` lines (double quotes: ``$RUN_DIR`` and ``${X:-default}`` expand)."""
+    return "".join(f'export {k}="{v}"\n' for k, v in variables.items())
 
 
 def _handles(pre: Preemption | None) -> bool:

@@ -23,19 +23,25 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
-from podtrain.config import RunConfig, accumulation_steps, dump_config, load_config, to_dict
-from podtrain.data.loader import SampleIndex, ShardedLoader, unigram_entropy
-from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
+from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.config import RunConfig, dump_config, load_config, to_dict
+from podtrain.data.loader import ShardedLoader, unigram_entropy
+from podtrain.data.manifest import verify_shards
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
+from podtrain.distributed.placement import placement_line
+from podtrain.distributed.recorder import register_recording_hook
+from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
-from podtrain.metrics import (MetricsWriter, Progress, device_memory_bytes, max_memory_bytes,
-                              peak_flops, setup_logging)
-from podtrain.model import (build_model, check_fits, model_size, parameter_fingerprint,
-                            preset_config, round_up)
+from podtrain.metrics import MetricsWriter, Progress, max_memory_bytes, peak_flops, setup_logging
+from podtrain.model import build_model, model_size
+from podtrain.monitor import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
 from podtrain.train.precision import resolve_precision
+from podtrain.train.preflight import check_run
+from podtrain.train.replicas import check_all_parameters_used, check_replicas
+from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
 from podtrain.train.step import Stepper
 
 log = logging.getLogger("podtrain")
@@ -83,44 +89,12 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
             return trainer.run()
         except BaseException as exc:
             # The traceback's frames hold the Stepper and so DDP's reducer; freeing them lets the
-            # reducer go before destroy_process_group (the exit deadlock in MACHINE-NOTES).
+            # reducer go before destroy_process_group (a gloo reducer left to interpreter exit can deadlock
+            # joining its thread while holding the GIL).
             traceback.clear_frames(exc.__traceback__)
             raise
         finally:
             trainer.close()
-
-
-@dataclass
-class CheckedRun:
-    """What ``check_run`` found valid: the data's manifest, the model config, the accumulation."""
-
-    manifest: Any
-    model_config: Any
-    accum: int
-    val_index: SampleIndex | None
-
-
-def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
-              device: torch.device) -> CheckedRun:
-    """The checks one process can make alone, raising a one-line UserError on a mistake: the
-    batch arithmetic, the data (manifest, vocabulary, enough tokens per split), the model preset
-    and whether its training state fits one device. Every rank runs it at start, and
-    ``launch local`` runs it before starting torchrun, so a mistake is one line, not a worker
-    failure."""
-    accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-    manifest = read_manifest(cfg.data.path)
-    vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-    check_vocab(manifest, vocab)
-    SampleIndex(manifest, "train", cfg.data.seq_len)  # enough tokens, shards present and whole
-    val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
-                 if cfg.eval.every and "val" in manifest.splits() else None)
-    model_config = preset_config(cfg.model.preset, vocab)
-    from podtrain.model import estimate_params
-
-    where = "one GPU" if device.type != "cpu" else "this rank's share of host memory"
-    check_fits(estimate_params(model_config), device_memory_bytes(device, local_world_size), where,
-               cfg.model.memory_check)
-    return CheckedRun(manifest, model_config, accum, val_index)
 
 
 def collective_timeout(watchdog_s: float) -> float:
@@ -138,16 +112,26 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.run_id = uuid.uuid4().hex[:12]
+        # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
+        self.val_index = None
+        self.accum = 1
+        self.precision = None
+        self.model: torch.nn.Module | None = None
+        self.size = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.ddp: DDP | None = None
-        self.checkpointer = None
-        self.watchdog = None
-        self.stop_signal = None
+        self.stepper_model: torch.nn.Module | None = None
+        self.stepper: Stepper | None = None
+        self.peak: float | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.watchdog: Watchdog | None = None
+        self.stop_signal: StopSignal | None = None
+        self.straggler: StragglerMonitor | None = None
+        self._straggler_report: dict[str, Any] | None = None
         self.metrics: MetricsWriter | None = None
         self.progress: Progress | None = None
         self.result = TrainResult(step=0)
-        self.straggler = None
-        self._straggler_report: dict[str, Any] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -169,9 +153,9 @@ class Trainer:
             raise failure
         if cfg.data.verify:
             self._verify_data(self.loader.manifest)
-        self._check_replicas(self.model, before_ddp=True)
+        check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
-        self._check_replicas(self.model, before_ddp=False)
+        check_replicas(self.model, ctx, before_ddp=False)
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
                                cfg.train.grad_clip, ctx.world_size,
                                cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
@@ -200,7 +184,7 @@ class Trainer:
                                  seed=cfg.run.seed).to(ctx.device)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if not cfg.dist.find_unused_parameters:
-            self._check_all_parameters_used(self.model)
+            check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
 
     def _verify_data(self, manifest) -> None:
@@ -234,44 +218,9 @@ class Trainer:
     def _register_comm_hook(self) -> None:
         """Record (and time) DDP's gradient AllReduces in the rank's collective record, which the
         hang watchdog dumps; the gradients are DDP's default AllReduce's."""
-        from podtrain.distributed.watchdog import register_recording_hook
-
         register_recording_hook(self.ddp, self.ctx.recorder)
 
-    def _check_all_parameters_used(self, model: torch.nn.Module) -> None:
-        """One local forward/backward on a dummy batch: name parameters that get no gradient.
-
-        DDP without find_unused_parameters would otherwise fail later with a hard-to-read
-        reduction error (or hang on some versions). No collective is involved.
-        """
-        rows = torch.zeros(1, min(self.cfg.data.seq_len, 16) + 1, dtype=torch.long, device=self.ctx.device)
-        from podtrain.train.step import micro_batch_loss_sum
-
-        micro_batch_loss_sum(model, rows, resolve_precision("fp32", self.ctx.device)).backward()
-        unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-        model.zero_grad(set_to_none=True)
-        if unused:
-            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-            raise UserError(f"parameters receive no gradient: {shown}; set dist.find_unused_parameters=true "
-                            "(slower) or freeze them (requires_grad=False)")
-
-    def _check_replicas(self, model: torch.nn.Module, before_ddp: bool) -> None:
-        """Every rank must hold the same weights: compare per-parameter sums across ranks."""
-        if not self.ctx.initialized:
-            return
-        fingerprints = self.ctx.all_gather_object(parameter_fingerprint(model).cpu())
-        differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
-        if not differ:
-            return
-        if before_ddp:
-            log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
-        else:
-            raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
-
     def _setup_checkpoints(self) -> None:
-        from podtrain.ckpt.checkpointer import Checkpointer
-        from podtrain.train.signals import StopSignal
-
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
         state = self.checkpointer.restore(self.model, self.optimizer, self.stepper.scaler)
         if state is not None:
@@ -286,15 +235,11 @@ class Trainer:
     def _start_watchdog(self) -> None:
         """Watch start-up too (dist.init_timeout_s until the first step, then dist.timeout_s)."""
         if self.cfg.monitor.watchdog:
-            from podtrain.distributed.watchdog import Watchdog
-
             self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
                                      self.cfg.dist.timeout_s, recorder=self.ctx.recorder,
                                      host=self.ctx.env.hostname).start()
 
     def _setup_straggler_monitor(self) -> None:
-        from podtrain.monitor import StragglerMonitor
-
         mcfg = self.cfg.monitor
         if mcfg.straggler_every and self.ctx.initialized:
             self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
@@ -303,8 +248,6 @@ class Trainer:
         cfg, ctx, size = self.cfg, self.ctx, self.size
         if ctx.env.local_rank == 0:
             # One line per node, printed even where ranks log warnings only: the topology users got.
-            from podtrain.launch.placement import placement_line
-
             print(placement_line(ctx), flush=True)
         log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s", __version__,
                  ctx.world_size, ctx.backend, ctx.device.type, self.precision.name)
@@ -430,8 +373,6 @@ class Trainer:
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
-        from podtrain.train.signals import REQUEUE_EXIT_CODE
-
         self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
@@ -473,9 +414,9 @@ class Trainer:
             self.progress.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.stop_signal is not None and hasattr(self.stop_signal, "restore"):
+        if self.stop_signal is not None:
             self.stop_signal.restore()
-        # Drop DDP (and its reducer) before the process group is destroyed: see MACHINE-NOTES.
+        # Drop DDP (and its reducer) before the process group is destroyed (the exit deadlock above).
         self.ddp = None
         self.stepper_model = None
         self.stepper = None

@@ -20,19 +20,8 @@ cat > "$PODTRAIN_CONFIG" <<'PODTRAIN_CONFIG_END'
 @@CONFIG_YAML@@PODTRAIN_CONFIG_END
 
 # --- environment of every rank (srun hands the batch environment to each node) ---------------
-# Workers build their own TCPStore after a restart instead of reusing the rendezvous store, which
-# still names a dead rank's port (gloo restarts then fail with "Connection refused").
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# A failed or timed-out collective aborts the process instead of hanging the job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-# Flight recorder: the last collectives of every rank, dumped to RUN_DIR/debug on a timeout.
-# (torch >= 2.7 names; older releases read TORCH_NCCL_TRACE_BUFFER_SIZE / _DEBUG_INFO_TEMP_FILE.)
-export TORCH_FR_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1
-export TORCH_FR_DUMP_TEMP_FILE="$RUN_DIR/debug/nccl_trace_rank_"
-export PYTHONUNBUFFERED=1
-@@FABRIC_ENV@@
-export PODTRAIN_NPROC_PER_NODE=@@NPROC@@ PODTRAIN_MAX_RESTARTS=@@MAX_RESTARTS@@
-export PODTRAIN_JOIN_TIMEOUT=@@JOIN_TIMEOUT@@
+# What every podtrain launcher gives its workers (podtrain/launch/torchrun.py says why for each).
+@@WORKER_ENV@@@@FABRIC_ENV@@
 # Head node as seen from the batch shell: only a fallback for nodes without scontrol (containers).
 # (awk reads all input: `head -n1` would end the pipe early, and pipefail turn SIGPIPE into a failure.)
 PODTRAIN_HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR==1')
@@ -58,25 +47,22 @@ fi
 HEAD_NODE=${HEAD_NODE:-$PODTRAIN_HEAD_NODE}
 HEAD_ADDR=${HEAD_ADDR:-${PODTRAIN_HEAD_ADDR:-$HEAD_NODE}}
 # Port from the job id: two jobs sharing a node rarely collide, and every node derives the same.
-PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+PORT=@@PORT_EXPR@@
 # This node's address and interface toward the head: --local-addr makes it the address the other
 # ranks are given for this node, and gloo (which has no ^exclusion syntax) is pinned to it.
-ROUTE=$(python3 -m podtrain.launch.placement route "$HEAD_ADDR") \
+ROUTE=$(python3 -m podtrain.distributed.placement route "$HEAD_ADDR") \
   || { echo "podtrain: node $SLURM_NODEID cannot route to the rendezvous host $HEAD_ADDR" >&2; exit 1; }
 read -r SELF_ADDR SELF_IFACE <<< "$ROUTE"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SELF_IFACE}
 IS_HOST=0
 if [ "${SLURMD_NODENAME:-}" = "$HEAD_NODE" ]; then IS_HOST=1; fi
-NPROC=$PODTRAIN_NPROC_PER_NODE
+NPROC=@@NPROC@@
+# Each rank's share of the node's cores (distributed.env.threads_per_rank).
 THREADS=$(( $(nproc) / NPROC ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
 echo "podtrain: node $SLURM_NODEID of $SLURM_JOB_NUM_NODES (${SLURMD_NODENAME:-?} $SELF_ADDR $SELF_IFACE) rendezvous $HEAD_ADDR:$PORT host=$IS_HOST"
 # torchrun, from the interpreter that has podtrain (the one `python3` names after --venv).
-TORCHRUN=(python3 -m torch.distributed.run
-  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC"
-  --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$HEAD_ADDR:$PORT"
-  --rdzv-conf="join_timeout=$PODTRAIN_JOIN_TIMEOUT,is_host=$IS_HOST"
-  --local-addr="$SELF_ADDR" --max-restarts="$PODTRAIN_MAX_RESTARTS"
+TORCHRUN=(python3 -m torch.distributed.run @@TORCHRUN_FLAGS@@
   -m podtrain.cli train "$PODTRAIN_CONFIG")
 @@RUN_TORCHRUN@@PODTRAIN_NODE_END
 

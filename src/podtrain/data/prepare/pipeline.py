@@ -1,4 +1,4 @@
-"""``podtrain prepare``: any corpus -> fixed-size token shards + ``manifest.json``.
+"""The ``podtrain prepare`` pipeline: any corpus -> fixed-size token shards + ``manifest.json``.
 
 The pipeline, in one direction::
 
@@ -23,15 +23,14 @@ Why nothing is half-written: shards are streamed into a temporary file and renam
 other files go through ``fsutil.atomic_write_*``, the manifest is written last, and a user error
 removes everything this run wrote (a Ctrl-C keeps finished shards for the resume).
 
-This module holds the options, the pipeline and the CLI; each stage lives in its own module:
-``sources`` (resolve INPUTs), ``readers`` (cut them into tasks), ``encode`` (the encoder and the
-worker pool), ``shards`` (shard writing, done records, cleanup), ``tokenizer`` (the tokenizer's
-identity and files) and ``manifest`` (building it).
+This module holds the options, the pipeline and the manifest it builds; the flags are in ``cli``
+and each stage lives in its own module of this package: ``sources`` (resolve INPUTs), ``readers``
+(cut them into tasks), ``encode`` (the encoder and the worker pool), ``shards`` (shard writing,
+done records, cleanup); ``podtrain.data.tokenizer`` holds the tokenizer's identity and files.
 """
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -46,15 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from podtrain.data import builtin as builtin_corpus
 from podtrain.data import tokenizer as tokmod
-from podtrain.data.encode import Counts, EncodeSpec, make_runner, train_texts
-from podtrain.data.manifest import MANIFEST_NAME, build_manifest
-from podtrain.data.readers import plan_tasks
-from podtrain.data.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
-                                  read_run_state, remove_temp_files, resume_splits, up_to_date_manifest,
-                                  write_run_state)
-from podtrain.data.sources import Source, resolve_inputs
+from podtrain.data.manifest import FORMAT, MANIFEST_NAME
+from podtrain.data.prepare import builtin as builtin_corpus
+from podtrain.data.prepare.encode import Counts, EncodeSpec, make_runner, train_texts
+from podtrain.data.prepare.readers import plan_tasks
+from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
+                                          read_run_state, remove_temp_files, resume_splits,
+                                          up_to_date_manifest, write_run_state)
+from podtrain.data.prepare.sources import Source, resolve_inputs
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text
 
@@ -369,65 +368,24 @@ def _check_not_empty(opts: PrepareOptions, writers: dict[str, ShardWriter]) -> N
                                   "or pass --val-fraction 0")
 
 
-# ------------------------------------------------------------------------------------------ CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``podtrain prepare``."""
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="text files, directories, globs, .jsonl, .parquet, or `builtin`")
-    parser.add_argument("--out", required=True, type=Path, metavar="DATA_DIR")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="byte (default), bpe:VOCAB (trained here), or a tokenizer.json / folder / hub name")
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
-                        help=f"share of documents held out for validation (default {DEFAULT_VAL_FRACTION})")
-    parser.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
-    parser.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
-                        help="undecodable UTF-8: stop with an error naming the file (strict, default), "
-                        "replace with U+FFFD, or skip the document (the piece, for files cut at "
-                        "--chunk-bytes); counted in the manifest")
-    parser.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
-                        help="raw bytes per worker task (changes where large files are cut)")
-    parser.add_argument("--builtin-bytes", type=int, default=builtin_corpus.DEFAULT_BUILTIN_BYTES,
-                        help="size budget of the built-in corpus")
-    parser.add_argument("--bpe-train-bytes", type=int, default=DEFAULT_BPE_TRAIN_BYTES,
-                        help="text a bpe:VOCAB tokenizer is trained on")
-    parser.add_argument("--eos-token", default=None, help="EOS token of a Hugging Face tokenizer")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def options_from_args(args: argparse.Namespace) -> PrepareOptions:
-    """The ``PrepareOptions`` an argparse namespace describes."""
-    return PrepareOptions(inputs=tuple(args.inputs), out=Path(args.out), tokenizer=args.tokenizer,
-                          val_fraction=args.val_fraction, text_field=args.text_field, errors=args.errors,
-                          shard_tokens=args.shard_tokens, chunk_bytes=args.chunk_bytes,
-                          workers=args.workers, builtin_bytes=args.builtin_bytes,
-                          bpe_train_bytes=args.bpe_train_bytes, eos_token=args.eos_token,
-                          progress=False if args.no_progress else None)
-
-
-def summary(result: PrepareResult) -> str:
-    """One line saying what was made (or that nothing needed doing)."""
-    m = result.manifest
-    parts = []
-    for split, s in m["splits"].items():
-        parts.append(f"{split} {s['tokens']:,} tokens / {s['documents']:,} docs / {len(s['shards'])} shards")
-    tok = m["tokenizer"]
-    head = "up to date" if result.up_to_date else \
-        f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f}s " \
-        f"({result.input_bytes / 1e6 / max(result.seconds, 1e-9):.1f} MB/s)"
-    err = m.get("errors", {})
-    errs = f", {err.get('replaced', 0)} replaced / {err.get('skipped', 0)} skipped (undecodable)" \
-        if err.get("replaced") or err.get("skipped") else ""
-    return (f"prepared {result.out}: {head}; {'; '.join(parts)}; tokenizer {tok['name']} "
-            f"(vocab {tok['vocab_size']}, {m['dtype']}); shards written {result.shards_written}, "
-            f"skipped {result.shards_skipped}{errs}")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``podtrain prepare``."""
-    result = prepare(options_from_args(args))
-    print(summary(result))
-    return 0
+def build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[str, Any], dtype: str,
+                   shard_records: dict[str, list[dict[str, Any]]], errors: dict[str, int]) -> dict[str, Any]:
+    """The manifest of a finished ``prepare`` run, from each split's shard done records."""
+    splits = {}
+    for split, records in shard_records.items():
+        shards = [{k: r[k] for k in ("file", "tokens", "documents", "sha256", "max_token_id")}
+                  for r in records]
+        splits[split] = {"tokens": sum(s["tokens"] for s in shards),
+                         "documents": sum(s["documents"] for s in shards), "shards": shards}
+    per_input: dict[str, dict[str, int]] = {}
+    for s in sources:
+        entry = per_input.setdefault(s.input, {"files": 0, "bytes": 0})
+        if s.input == "builtin":  # the built-in corpus depends on the interpreter: say which
+            entry["python"] = sys.version.split()[0]
+        entry["files"] += 1
+        entry["bytes"] += s.size
+    return {"format": FORMAT, "tokenizer": identity, "dtype": dtype, "splits": splits,
+            "val_fraction": opts.val_fraction,
+            "sources": [{"input": k, **v} for k, v in per_input.items()],
+            "errors": {"policy": opts.errors, **errors},
+            "text_field": opts.text_field, "shard_tokens": opts.shard_tokens}

@@ -1,25 +1,54 @@
 """Reading sources into tasks for ``podtrain prepare``: slices of raw input, in corpus order.
 
-An item is one slice of one source, small enough to hold in memory::
-
-    ("text",  name, where, data: bytes, offset, last)  a piece of a text file (a document ends at last)
-    ("jsonl", name, where, data: bytes, first_line)    whole lines of a JSONL file
-    ("rows",  name, where, rows: list[bytes|None], first_row)  Parquet rows
+An item is one slice of one source, small enough to hold in memory: a ``TextItem`` (a piece of a
+text file), a ``JsonlItem`` (whole lines of a JSONL file) or a ``RowsItem`` (Parquet rows). Each
+carries the source's ``name`` (what its documents' splits are hashed from) and ``where`` (the
+path error messages name).
 
 A task is a list of items of ~chunk_bytes. Tasks are cut by byte counts alone, so task i is the
-same whatever the worker count; that is what makes the shards independent of it.
+same whatever the worker count; that is what makes the shards independent of it. Tasks are
+pickled to the worker processes, so items are NamedTuples: as cheap to pickle as plain tuples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
-from podtrain.data.sources import Source, load_pyarrow
+from podtrain.data.prepare.sources import Source, load_pyarrow
 from podtrain.errors import UserError
 
-Item: TypeAlias = tuple
-Task: TypeAlias = list
+
+class TextItem(NamedTuple):
+    """A piece of a text file, starting at byte ``offset``; the document ends with it when ``last``."""
+
+    name: str
+    where: str
+    data: bytes
+    offset: int
+    last: bool
+
+
+class JsonlItem(NamedTuple):
+    """Whole lines of a JSONL file, the first of them line number ``first_line`` (1-based)."""
+
+    name: str
+    where: str
+    data: bytes
+    first_line: int
+
+
+class RowsItem(NamedTuple):
+    """Parquet rows (raw bytes of the text column; ``None`` for a null), from row ``first_row``."""
+
+    name: str
+    where: str
+    rows: list[bytes | None]
+    first_row: int
+
+
+Item: TypeAlias = TextItem | JsonlItem | RowsItem
+Task: TypeAlias = list[Item]
 
 WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
 PARQUET_BATCH_ROWS = 256
@@ -77,14 +106,14 @@ def _pieces(src: Source, chunk: int, cut: Callable[[bytes], int]) -> Iterator[tu
 def _text_items(src: Source, chunk: int) -> Iterator[Item]:
     # The last piece is yielded even when empty: it closes the document of a file cut in pieces.
     for piece, offset, last in _pieces(src, chunk, _cut_text):
-        yield ("text", src.name, str(src.path), piece, offset, last)
+        yield TextItem(src.name, str(src.path), piece, offset, last)
 
 
 def _jsonl_items(src: Source, chunk: int) -> Iterator[Item]:
     line = 1
     for piece, _, _ in _pieces(src, chunk, _cut_lines):
         if piece:
-            yield ("jsonl", src.name, str(src.path), piece, line)
+            yield JsonlItem(src.name, str(src.path), piece, line)
         line += piece.count(b"\n")
 
 
@@ -101,7 +130,7 @@ def _parquet_items(src: Source, text_field: str) -> Iterator[Item]:
             elif pa.types.is_large_string(col.type):
                 col = col.cast(pa.large_binary())
             rows = col.to_pylist()
-            yield ("rows", src.name, str(src.path), rows, row)
+            yield RowsItem(src.name, str(src.path), rows, row)
             row += len(rows)
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"{src.path}: cannot read Parquet ({str(exc).splitlines()[0]})") from None
@@ -118,9 +147,9 @@ def _items(sources: list[Source], chunk: int, text_field: str) -> Iterator[Item]
 
 
 def _item_bytes(item: Item) -> int:
-    if item[0] == "rows":
-        return sum(len(r) for r in item[3] if r is not None)
-    return len(item[3])
+    if isinstance(item, RowsItem):
+        return sum(len(r) for r in item.rows if r is not None)
+    return len(item.data)
 
 
 def plan_tasks(sources: list[Source], chunk: int, text_field: str) -> Iterator[tuple[Task, int]]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from podtrain.data import tokenizer as tokmod
-from podtrain.data.readers import Item, Task
+from podtrain.data.prepare.readers import JsonlItem, RowsItem, Task, TextItem
 from podtrain.errors import UserError
 
 
@@ -125,36 +125,37 @@ class Encoder:
         """The task's text, in order, as units tagged with their split."""
         frac = self.spec.val_fraction
         for item in task:
-            kind, name, where = item[0], item[1], item[2]
-            if kind == "text":
+            if isinstance(item, TextItem):
                 yield from self._text_units(item, frac, counts)
-            elif kind == "jsonl":
+            elif isinstance(item, JsonlItem):
                 yield from self._jsonl_units(item, frac, counts)
             else:
-                for i, raw in enumerate(item[3]):
-                    if raw:
-                        payload = self._decode(raw, f"{where} row {item[4] + i}", counts)
-                        if payload:
-                            yield Unit(payload, True, is_val(f"{name}#{item[4] + i}", frac))
+                yield from self._row_units(item, frac, counts)
 
-    def _text_units(self, item: Item, frac: float, counts: Counts) -> Iterator[Unit]:
-        _, name, where, data, offset, last = item
-        val = is_val(name, frac)
+    def _text_units(self, item: TextItem, frac: float, counts: Counts) -> Iterator[Unit]:
+        val = is_val(item.name, frac)
         empty: bytes | str = b"" if self.want_bytes else ""
-        payload = self._decode(data, where, counts, base=offset) if data else empty
+        payload = self._decode(item.data, item.where, counts, base=item.offset) if item.data else empty
         # A skipped piece still closes its document when it was the last one of a larger file.
         payload = empty if payload is None else payload
-        if payload or (last and offset):
-            yield Unit(payload, last, val)
+        if payload or (item.last and item.offset):
+            yield Unit(payload, item.last, val)
 
-    def _jsonl_units(self, item: Item, frac: float, counts: Counts) -> Iterator[Unit]:
-        _, name, where, data, first_line = item
+    def _row_units(self, item: RowsItem, frac: float, counts: Counts) -> Iterator[Unit]:
+        for i, raw in enumerate(item.rows):
+            if raw:
+                row = item.first_row + i
+                payload = self._decode(raw, f"{item.where} row {row}", counts)
+                if payload:
+                    yield Unit(payload, True, is_val(f"{item.name}#{row}", frac))
+
+    def _jsonl_units(self, item: JsonlItem, frac: float, counts: Counts) -> Iterator[Unit]:
         field_name = self.spec.text_field
-        for i, raw in enumerate(data.split(b"\n")):
-            line_no = first_line + i
+        for i, raw in enumerate(item.data.split(b"\n")):
+            line_no = item.first_line + i
             if not raw.strip():
                 continue
-            at = f"{where}:{line_no}"
+            at = f"{item.where}:{line_no}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -174,7 +175,7 @@ class Encoder:
             if text:
                 payload = self._clean_str(text, at, counts)
                 if payload:
-                    yield Unit(payload, True, is_val(f"{name}:{line_no}", frac))
+                    yield Unit(payload, True, is_val(f"{item.name}:{line_no}", frac))
 
     def pack(self, units: list[Unit]) -> np.ndarray:
         """Tokenize ``units`` and concatenate them, an EOS after each document's last unit."""

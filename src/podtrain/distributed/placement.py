@@ -2,7 +2,7 @@
 
 ``placement_line(ctx)`` is the one line each node's first rank prints at start, so users see the
 topology they got (host, address, interface, node rank, local world size, backend) instead of the
-one they meant. ``python -m podtrain.launch.placement route HEAD`` prints this node's address and
+one they meant. ``python -m podtrain.distributed.placement route HEAD`` prints this node's address and
 interface toward HEAD; the Slurm node script uses it to pin gloo's interface and torchrun's
 ``--local-addr``. This module imports no torch, so that call costs milliseconds.
 """
@@ -38,12 +38,13 @@ def route_to(host: str, port: int = 9) -> tuple[str, str]:
 def interface_of(addr: str) -> str:
     """The name of the interface that holds IPv4 address ``addr`` (``lo`` for 127.x), or ``?``."""
     for _, name in socket.if_nameindex():
-        if _ipv4_of(name) == addr:
+        if ipv4_of(name) == addr:
             return name
     return "lo" if addr.startswith("127.") else "?"
 
 
-def _ipv4_of(ifname: str) -> str | None:
+def ipv4_of(ifname: str) -> str | None:
+    """The IPv4 address of interface ``ifname`` (SIOCGIFADDR), or None if it has none."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
@@ -86,7 +87,7 @@ def placement_line(ctx: Any) -> str:
 def main(argv: list[str]) -> int:
     """``route HOST``: print ``ADDRESS INTERFACE`` toward HOST (exit 1 when unroutable)."""
     if len(argv) != 2 or argv[0] != "route":
-        print("usage: python -m podtrain.launch.placement route HOST", file=sys.stderr)
+        print("usage: python -m podtrain.distributed.placement route HOST", file=sys.stderr)
         return 2
     addr, iface = route_to(argv[1])
     print(addr, iface)

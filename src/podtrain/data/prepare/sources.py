@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from podtrain.data import builtin as builtin_corpus
+from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.errors import UserError
 
 TEXT_SUFFIXES = frozenset({

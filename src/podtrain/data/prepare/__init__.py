@@ -1,0 +1,17 @@
+"""Offline data preparation (``podtrain prepare``): any corpus -> token shards + ``manifest.json``.
+
+Nothing here is imported at training time; training reads the results through
+``podtrain.data.manifest``, ``podtrain.data.tokenizer`` and ``podtrain.data.loader``.
+
+The package, in pipeline order:
+
+- ``cli``: the ``podtrain prepare`` flags, the options they map to, and the summary line.
+- ``pipeline``: the options, the run itself (resume, locking, cleanup on error) and the manifest
+  it writes last.
+- ``sources``: INPUTs (files, directories, globs, ``builtin``) to an ordered list of source files.
+- ``builtin``: the built-in corpus (this interpreter's standard-library sources).
+- ``readers``: sources cut into tasks of ~chunk_bytes of raw input (``TextItem``, ``JsonlItem``,
+  ``RowsItem``).
+- ``encode``: decode, split and tokenize a task, inline or in a pool of worker processes.
+- ``shards``: shard writing, the done records a resume trusts, and cleanup.
+"""

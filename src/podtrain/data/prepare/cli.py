@@ -1,0 +1,75 @@
+"""``podtrain prepare``: the command's flags, the options they map to, and its summary line.
+
+The work itself is ``pipeline.prepare``; this module only translates between argv and it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from podtrain.data.prepare import builtin as builtin_corpus
+from podtrain.data.prepare.pipeline import (DEFAULT_BPE_TRAIN_BYTES, DEFAULT_CHUNK_BYTES,
+                                            DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ERROR_POLICIES,
+                                            PrepareOptions, PrepareResult, prepare)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``podtrain prepare``."""
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="text files, directories, globs, .jsonl, .parquet, or `builtin`")
+    parser.add_argument("--out", required=True, type=Path, metavar="DATA_DIR")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="byte (default), bpe:VOCAB (trained here), or a tokenizer.json / folder / hub name")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                        help=f"share of documents held out for validation (default {DEFAULT_VAL_FRACTION})")
+    parser.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
+    parser.add_argument("--errors", choices=ERROR_POLICIES, default="strict",
+                        help="undecodable UTF-8: stop with an error naming the file (strict, default), "
+                        "replace with U+FFFD, or skip the document (the piece, for files cut at "
+                        "--chunk-bytes); counted in the manifest")
+    parser.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                        help="raw bytes per worker task (changes where large files are cut)")
+    parser.add_argument("--builtin-bytes", type=int, default=builtin_corpus.DEFAULT_BUILTIN_BYTES,
+                        help="size budget of the built-in corpus")
+    parser.add_argument("--bpe-train-bytes", type=int, default=DEFAULT_BPE_TRAIN_BYTES,
+                        help="text a bpe:VOCAB tokenizer is trained on")
+    parser.add_argument("--eos-token", default=None, help="EOS token of a Hugging Face tokenizer")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def options_from_args(args: argparse.Namespace) -> PrepareOptions:
+    """The ``PrepareOptions`` an argparse namespace describes."""
+    return PrepareOptions(inputs=tuple(args.inputs), out=Path(args.out), tokenizer=args.tokenizer,
+                          val_fraction=args.val_fraction, text_field=args.text_field, errors=args.errors,
+                          shard_tokens=args.shard_tokens, chunk_bytes=args.chunk_bytes,
+                          workers=args.workers, builtin_bytes=args.builtin_bytes,
+                          bpe_train_bytes=args.bpe_train_bytes, eos_token=args.eos_token,
+                          progress=False if args.no_progress else None)
+
+
+def summary(result: PrepareResult) -> str:
+    """One line saying what was made (or that nothing needed doing)."""
+    m = result.manifest
+    parts = []
+    for split, s in m["splits"].items():
+        parts.append(f"{split} {s['tokens']:,} tokens / {s['documents']:,} docs / {len(s['shards'])} shards")
+    tok = m["tokenizer"]
+    head = "up to date" if result.up_to_date else \
+        f"{result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f}s " \
+        f"({result.input_bytes / 1e6 / max(result.seconds, 1e-9):.1f} MB/s)"
+    err = m.get("errors", {})
+    errs = f", {err.get('replaced', 0)} replaced / {err.get('skipped', 0)} skipped (undecodable)" \
+        if err.get("replaced") or err.get("skipped") else ""
+    return (f"prepared {result.out}: {head}; {'; '.join(parts)}; tokenizer {tok['name']} "
+            f"(vocab {tok['vocab_size']}, {m['dtype']}); shards written {result.shards_written}, "
+            f"skipped {result.shards_skipped}{errs}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``podtrain prepare``."""
+    result = prepare(options_from_args(args))
+    print(summary(result))
+    return 0

@@ -1,0 +1,127 @@
+"""How podtrain runs torchrun: one home for the facts every launcher (local, Slurm, Kubernetes) uses.
+
+Each fact here is a failure seen on a real cluster or on a CPU machine, written once; ``local.py``
+builds its command from these functions, ``slurm.py`` renders them into the batch script, and
+``k8s.py`` into the pod spec:
+
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: after a restart (``--max-restarts``) the workers build a
+  fresh TCPStore instead of reusing the rendezvous store, which still names a dead rank's old port
+  (gloo restarts then fail with "Connection refused" about half the time).
+* ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: a failed or timed-out NCCL collective aborts the process
+  instead of hanging the job.
+* The flight recorder (``flight_recorder_env``): each rank's last collectives, dumped into
+  ``RUN_DIR/debug`` on a timeout.
+* ``NCCL_SOCKET_IFNAME=^lo,docker,veth``: loopback, docker bridges and veth pairs never carry
+  traffic between nodes (NCCL takes ^exclusions; gloo does not, so the launchers pin gloo to the
+  interface that routes to the rendezvous host instead).
+* ``--shutdown-timeout``: on SIGTERM torchrun relays the signal to its workers and SIGKILLs them
+  after this many seconds (30 by default). podtrain sets it from ``ckpt.grace_s`` so the
+  checkpoint a preemption asks for can finish (``shutdown_timeout_s``).
+* ``join_timeout`` in ``--rdzv-conf``: a missing node fails the rendezvous in a minute, not ten;
+  ``is_host=1`` on the node that hosts the c10d store (needed when the host name resolves to
+  127.0.0.1, as in containers and network namespaces).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+RELIABLE_RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Workers make their own TCPStore after a restart (see the module docstring)."""
+
+NCCL_ERRORS_ABORT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+"""A failed NCCL collective ends the process instead of hanging it."""
+
+NCCL_SOCKET_EXCLUDE = "^lo,docker,veth"
+"""NCCL's bootstrap/socket interfaces: everything but loopback, docker bridges and veth pairs."""
+
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Collectives the flight recorder keeps per rank."""
+
+TRAIN_MODULE = ("-m", "podtrain.cli", "train")
+"""What each worker runs: ``python -m podtrain.cli train CONFIG [overrides]``."""
+
+SHUTDOWN_MARGIN_S = 15
+"""Seconds a pod's grace period (or a scheduler's kill wait) should exceed torchrun's shutdown
+timeout, so torchrun ends its workers itself (and exits with their status) before it is killed."""
+
+
+def flight_recorder_env(debug_dir: str | os.PathLike, buffer_size: int = FLIGHT_RECORDER_ENTRIES) -> dict[str, str]:
+    """Environment variables that turn on torch's collective flight recorder, dumping into
+    ``debug_dir`` (files ``nccl_trace_rank_<R>``; torch appends the rank).
+
+    They are read when the process group is created, so a launcher puts them into the workers'
+    environment rather than the training process setting them late. Only the current
+    ``TORCH_FR_*`` names (torch >= 2.6; gloo is recorded too from 2.8): torch 2.13 warns on every
+    rank for the old ``TORCH_NCCL_TRACE_*`` aliases.
+    """
+    return {
+        "TORCH_FR_BUFFER_SIZE": str(int(buffer_size)),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(Path(debug_dir) / "nccl_trace_rank_"),
+    }
+
+
+def worker_env(debug_dir: str | os.PathLike | None, gpus: bool) -> dict[str, str]:
+    """The variables every launcher gives every worker: reliable restarts, NCCL errors that
+    abort, the flight recorder into ``debug_dir`` (None: off), unbuffered output, and on GPU
+    nodes the NCCL socket exclusions."""
+    env = {**RELIABLE_RESTARTS, **NCCL_ERRORS_ABORT}
+    if debug_dir is not None:
+        env.update(flight_recorder_env(debug_dir))
+    env["PYTHONUNBUFFERED"] = "1"
+    if gpus:
+        env["NCCL_SOCKET_IFNAME"] = NCCL_SOCKET_EXCLUDE
+    return env
+
+
+def shutdown_timeout_s(grace_s: float) -> int:
+    """torchrun's ``--shutdown-timeout`` for a run whose scheduler grants ``grace_s`` seconds
+    between SIGTERM and SIGKILL: all of it goes to the workers' checkpoint (at least torchrun's
+    own default of 30 s)."""
+    return max(30, math.ceil(grace_s))
+
+
+def kill_grace_s(grace_s: float) -> int:
+    """The scheduler-side grace period (a pod's ``terminationGracePeriodSeconds``) that lets
+    torchrun use all of ``shutdown_timeout_s`` and still exit by itself."""
+    return shutdown_timeout_s(grace_s) + SHUTDOWN_MARGIN_S
+
+
+def rdzv_conf(join_timeout: int, is_host: bool | str | None = None) -> str:
+    """``--rdzv-conf``: the join timeout, and ``is_host`` when given (a bool, or a shell
+    expression such as ``$IS_HOST`` for scripts that decide it on the node)."""
+    conf = f"join_timeout={join_timeout}"
+    if is_host is not None and is_host is not False:
+        conf += f",is_host={1 if is_host is True else is_host}"
+    return conf
+
+
+def torchrun_flags(*, nproc: int | str, grace_s: float, nnodes: int | str | None = None,
+                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                   join_timeout: int | None = None, is_host: bool | str | None = None,
+                   local_addr: str | None = None, max_restarts: int | str | None = None,
+                   log_dir: str | None = None) -> list[str]:
+    """torchrun's flags for one agent (pure). Options left None are left to torchrun (or, in a
+    PyTorchJob, to the operator's ``PET_*`` variables); values may be shell expressions for the
+    scripts that render them."""
+    flags = []
+    if nnodes is not None:
+        flags.append(f"--nnodes={nnodes}")
+    flags.append(f"--nproc-per-node={nproc}")
+    if rdzv_endpoint is not None:
+        flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    if rdzv_id is not None:
+        flags.append(f"--rdzv-id={rdzv_id}")
+    if join_timeout is not None:
+        flags.append(f"--rdzv-conf={rdzv_conf(join_timeout, is_host)}")
+    if local_addr is not None:
+        flags.append(f"--local-addr={local_addr}")
+    if max_restarts is not None:
+        flags.append(f"--max-restarts={max_restarts}")
+    flags.append(f"--shutdown-timeout={shutdown_timeout_s(grace_s)}")
+    if log_dir is not None:
+        flags += ["--log-dir", log_dir, "--tee", "3"]
+    return flags
