@@ -204,12 +204,6 @@ def launcher_variables(environ: Mapping[str, str] | None = None, prefixes: tuple
     return {k: v for k, v in sorted(env.items()) if k.startswith(prefixes)}
 
 
-def env_flag(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Read one podtrain variable (``PODTRAIN_*``), the sanctioned way for other modules."""
-    env = os.environ if environ is None else environ
-    return env.get(name)
-
-
 def omp_num_threads(environ: Mapping[str, str] | None = None) -> int | None:
     """OMP_NUM_THREADS when a launcher or the user set it (torchrun sets 1 per worker), else None."""
     env = os.environ if environ is None else environ

@@ -19,7 +19,7 @@ in ``all_reduce`` at sequence N against the one in ``barrier`` at N.
 
 The recorder is also the state of ``recording_allreduce_hook``, a DDP comm hook that logs each
 gradient bucket's AllReduce and measures how long the rank waited for the others (the signal
-``podtrain.monitor.StragglerMonitor`` uses to find a slow rank).
+``podtrain.train.stragglers.StragglerMonitor`` uses to find a slow rank).
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ from podtrain.data.manifest import check_vocab, read_manifest, verify_shards
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
 from podtrain.errors import UserError
-from podtrain.metrics import (MetricsWriter, Progress, device_memory_bytes, max_memory_bytes,
-                              peak_flops, setup_logging)
+from podtrain.observe.console import Progress, setup_logging
+from podtrain.observe.hardware import device_memory_bytes, max_memory_bytes, peak_flops
+from podtrain.observe.metrics import MetricsWriter
 from podtrain.model import (build_model, check_fits, model_size, parameter_fingerprint,
                             preset_config, round_up)
 from podtrain.train.evaluate import evaluate
@@ -293,7 +294,7 @@ class Trainer:
                                      host=self.ctx.env.hostname).start()
 
     def _setup_straggler_monitor(self) -> None:
-        from podtrain.monitor import StragglerMonitor
+        from podtrain.train.stragglers import StragglerMonitor
 
         mcfg = self.cfg.monitor
         if mcfg.straggler_every and self.ctx.initialized:
