@@ -41,39 +41,52 @@ def main():
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--preset", default="tiny")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    # On a GPU: NCCL, this rank's GPU, bf16 autocast (what a user writes); on CPU: gloo, fp32.
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     torch.manual_seed(0)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from podtrain.model import PRESETS
+    from podtrain.model import preset_config
 
-    numbers = dict(PRESETS["tiny"])
-    config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    ddp = DDP(model, gradient_as_bucket_view=True)
+    # The preset's architecture with the byte-level data's vocabulary (257 rounded up to 320), as
+    # podtrain builds it: both loops do the same FLOPs per token.
+    config = preset_config(args.preset, 320)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
     fwd = torch.compile(ddp) if args.compile else ddp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ds = Windows(os.path.join(args.data, "train_00000.bin"), args.seq_len)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
     # num_workers=0: on 2 cores a worker process would steal CPU from the ranks (the harder baseline).
-    loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=0, drop_last=True))
+    loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=0, drop_last=True,
+                             pin_memory=cuda))
     accum = args.global_batch // (args.micro * world)
     for step in range(args.steps):
         if step == args.warmup:
+            if cuda:
+                torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
         for i in range(accum):
-            rows = next(loader)
+            rows = next(loader).to(device, non_blocking=True)
             ctx = contextlib.nullcontext() if i == accum - 1 else ddp.no_sync()
-            with ctx:
+            with ctx, autocast():
                 logits = fwd(input_ids=rows[:, :-1]).logits
                 loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()) / accum
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
     elapsed = time.perf_counter() - t0
     tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len

@@ -129,6 +129,33 @@ def _term_parent(args: dict[str, str], patch: Patch) -> None:
     _at_step_boundary(StepFault.from_args("term-parent", args), patch)
 
 
+@fault("stall")
+def _stall(args: dict[str, str], patch: Patch) -> None:
+    """``stall:rank=R,step=K,seconds=S``: at the boundary of step K, rank R stalls for S seconds,
+    the shape of a hang. On CUDA the GPU stream stalls (a sleep kernel: the host runs ahead and
+    the next collective is enqueued but never completes, as with a hung NCCL peer); on CPU the
+    host sleeps, so the other ranks wait in their next collective."""
+    from podtrain.train import loop
+
+    rank, step, seconds = int(args["rank"]), int(args["step"]), float(args["seconds"])
+    original = loop.Trainer._should_stop
+
+    def patched(self, *a, **kw):
+        if self.ctx.rank == rank and self.step == step:
+            log.warning("fault injection: stall of %.0f s on rank %d at step %d", seconds, rank, step)
+            if self.ctx.device.type == "cuda":
+                import torch
+
+                torch.cuda._sleep(int(seconds * 2e9))  # ~2 GHz SM clock: cycles for S seconds
+            else:
+                import time
+
+                time.sleep(seconds)
+        return original(self, *a, **kw)
+
+    patch(loop.Trainer, "_should_stop", patched)
+
+
 # -- diagnostics: a wrong collective result, a rank short of memory, a slow rank ----------------
 @fault("corrupt")
 def _corrupt(args: dict[str, str], patch: Patch) -> None:

@@ -275,7 +275,7 @@ def _print_table(records: list[dict[str, Any]], title: str) -> None:
         print(format_table(records), flush=True)
 
 
-def write_json(path: str | Path, records: list[dict[str, Any]]) -> None:
+def write_records_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     """One JSON object per line, one line per (op, size, group)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{opts.dtype}, {ctx.device.type}, torch {torch.__version__}")
         _print_table(records, title)
         if args.json_path:
-            write_json(args.json_path, records)
+            write_records_jsonl(args.json_path, records)
         for failure in failures:
             print(f"podtrain bench collectives: FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0
