@@ -32,11 +32,22 @@ class Windows(Dataset):
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
 
+def tiny_model():
+    """The tiny preset, built from the same numbers podtrain uses (seeded by the caller)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from podtrain.model import PRESETS
+
+    numbers = dict(PRESETS["tiny"])
+    config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32)
@@ -45,13 +56,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from podtrain.model import PRESETS
-
-    numbers = dict(PRESETS["tiny"])
-    config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = tiny_model()
     ddp = DDP(model, gradient_as_bucket_view=True)
     fwd = torch.compile(ddp) if args.compile else ddp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
