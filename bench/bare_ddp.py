@@ -43,7 +43,8 @@ def tiny_model():
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def main():
+def workload_parser() -> argparse.ArgumentParser:
+    """The flags every baseline shares: data, steps, warm-up, sequence length, batch sizes."""
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=40)
@@ -51,6 +52,11 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32)
+    return p
+
+
+def main():
+    p = workload_parser()
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")

@@ -7,7 +7,6 @@ logging. Run under torchrun; prints one JSON line with steady-state tokens/s (af
 optimizer steps, the wall time to the last step's end on rank 0).
 """
 
-import argparse
 import json
 import os
 import time
@@ -15,17 +14,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from bare_ddp import Windows, tiny_model
+from bare_ddp import Windows, tiny_model, workload_parser
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--global-batch", type=int, default=32)
+    p = workload_parser()
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-lr-steps", type=int, default=20)
     args = p.parse_args()
