@@ -64,6 +64,14 @@ def main():
     tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"tokens_per_s": tokens / (Timer.t1 - Timer.t0)}), flush=True)
+    # The DDP reducer must go before the process group: left to interpreter exit, gloo's can
+    # abort ("terminate called without an active exception"; see MACHINE-NOTES).
+    del trainer, model
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
