@@ -34,6 +34,7 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 bench: install
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/train_throughput.py
 	$(PY) bench/loader_throughput.py
 	$(PY) bench/prepare_throughput.py

@@ -32,14 +32,30 @@ class Windows(Dataset):
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
 
-def main():
+def tiny_model(preset: str = "tiny"):
+    """A preset's architecture with the byte-level data's vocabulary (257 rounded up to 320), as
+    podtrain builds it, so both loops do the same FLOPs per token (seeded by the caller)."""
+    from transformers import AutoModelForCausalLM
+
+    from podtrain.model import preset_config
+
+    return AutoModelForCausalLM.from_config(preset_config(preset, 320), attn_implementation="sdpa")
+
+
+def workload_parser() -> argparse.ArgumentParser:
+    """The flags every baseline shares: data, steps, warm-up, sequence length, batch sizes."""
     p = argparse.ArgumentParser()
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32)
+    return p
+
+
+def main():
+    p = workload_parser()
     p.add_argument("--compile", action="store_true")
     p.add_argument("--preset", default="tiny")
     args = p.parse_args()
@@ -52,14 +68,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    from podtrain.model import preset_config
-
-    # The preset's architecture with the byte-level data's vocabulary (257 rounded up to 320), as
-    # podtrain builds it: both loops do the same FLOPs per token.
-    config = preset_config(args.preset, 320)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    model = tiny_model(args.preset).to(device)
     ddp = DDP(model, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
     fwd = torch.compile(ddp) if args.compile else ddp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -453,7 +453,9 @@ def _signal_rank(rank, world):
 
 def test_stop_signal_is_agreed_by_all_ranks_at_the_same_step():
     (a0, req0), (a1, req1) = run_ranks(_signal_rank, 2, timeout=60)
-    assert a0 == a1 == [False, False, False, True, True, True]
+    # The signal lands before boundary 3; the agreement started there is read at boundary 4 (one
+    # step of latency keeps the all_reduce off the critical path), on both ranks alike.
+    assert a0 == a1 == [False, False, False, False, True, True]
     assert (req0, req1) == (False, True)
 
 

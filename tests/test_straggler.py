@@ -8,6 +8,8 @@ import time
 import pytest
 
 from multirank import run_ranks
+from podtrain.train.precision import resolve_precision
+from podtrain.train.step import Stepper
 from podtrain.train.stragglers import StragglerMonitor, find_straggler
 
 
@@ -82,44 +84,53 @@ def test_sleep_on_rank_1_is_named(data_slow):
 
 
 def _ddp_rank(rank, world):
-    """Real DDP: the slow rank's whole-step time equals the others' (the sync waits for it);
-    the recording comm hook's sync wait is what tells them apart."""
+    """Real DDP through the real Stepper and its host step clock (the CPU side of the timing;
+    on a GPU the same points are CUDA events): the slow rank's whole-step time equals the
+    others' (the sync waits for it); the clock's sync wait is what tells them apart."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from podtrain.distributed.recorder import register_recording_hook
+    from podtrain.distributed.timing import HostStepClock
+    from test_ddp_step import GLOBAL, SEQ, make
 
-    torch.manual_seed(0)
     with _ctx() as ctx:
-        model = DDP(torch.nn.Linear(64, 64))
-        register_recording_hook(model, ctx.recorder)
-        monitor = StragglerMonitor(ctx, every=6, threshold=0.10)
-        x = torch.full((8, 64), float(rank + 1))
+        model, _, _ = make(world, False)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        seen = []  # the synchronised gradients, captured just before the optimizer applies them
+        opt.register_step_pre_hook(lambda *_: seen.append(
+            torch.cat([p.grad.flatten() for p in model.parameters()])))
+        stepper = Stepper(ddp, ddp, opt,
+                          resolve_precision("fp32", torch.device("cpu")), grad_clip=0.0,
+                          world_size=world, global_target_tokens=GLOBAL * SEQ,
+                          device=torch.device("cpu"), clock=HostStepClock(), recorder=ctx.recorder)
+        if rank == 1:  # slow compute before the gradient sync
+            model.register_forward_pre_hook(lambda *_: time.sleep(SLOW_S))
+        monitor = StragglerMonitor(ctx, every=6, threshold=0.10, clock=stepper.clock)
+        rows = torch.randint(0, 64, (GLOBAL // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))
         report = None
         for step in range(1, 7):
-            t0 = time.perf_counter()
-            loss = model(x).square().mean()
-            if rank == 1:
-                time.sleep(SLOW_S)  # slow compute before the gradient sync
-            loss.backward()
-            monitor.observe(time.perf_counter() - t0, 0.0, ctx.recorder.pop_sync_wait())
+            stepper.step([rows])
+            monitor.observe_wait(0.0)
             report = monitor.maybe_report(step) or report
-        grad = model.module.weight.grad.clone()
-        buckets = [e for e in ctx.recorder.snapshot() if e["caller"].startswith("DDP gradient")]
-        del model
-    return report, grad, buckets
+        grad = seen[-1]
+        syncs = [e for e in ctx.recorder.snapshot() if e["caller"].startswith("DDP gradient")]
+        del ddp, stepper
+    return report, grad, syncs
 
 
 def test_ddp_straggler_is_found_through_the_sync_wait():
     import torch
 
-    (report, grad0, buckets), (_, grad1, _) = run_ranks(_ddp_rank, 2)
+    (report, grad0, syncs), (_, grad1, _) = run_ranks(_ddp_rank, 2)
     assert report["straggler_rank"] == 1
     steps = report["step_time_by_rank"]
     assert min(steps) >= 0.9 * SLOW_S and abs(steps[0] - steps[1]) < 0.5 * min(steps)  # alike...
     sync, busy = report["sync_wait_by_rank"], report["busy_by_rank"]
     assert sync[0] > 0.5 * steps[0] and sync[0] > 2 * sync[1]  # ...as rank 0 waits for rank 1
     assert busy[1] >= 0.9 * SLOW_S and busy[1] > 2 * busy[0]
-    # The hook changes nothing in the gradients: averaged as DDP's default does.
+    # DDP's own AllReduce (no comm hook): the gradients are averaged alike on both ranks.
     torch.testing.assert_close(grad0, grad1)
-    assert buckets and all(b["op"] == "all_reduce" and b["state"] == "done" for b in buckets)
+    # One record per step's gradient sync (not one per bucket), each finished.
+    assert len(syncs) == 6 and all(e["op"] == "all_reduce" and e["state"] == "done" for e in syncs)
+    assert syncs[0]["bytes"] == grad0.numel() * 4

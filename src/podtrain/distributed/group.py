@@ -74,7 +74,8 @@ class DistContext:
         env: launcher facts (ranks, sizes, host).
         backend: "nccl" or "gloo".
         device: the device this rank computes on.
-        initialized: whether a torch.distributed process group exists (world size > 1).
+        initialized: whether a torch.distributed process group exists (world size > 1, or any
+            world size under torchrun).
         recorder: this rank's last collectives, dumped by the hang watchdog.
     """
 
@@ -113,8 +114,10 @@ class DistContext:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place across ranks and return it."""
         if self.initialized:
-            with self.recorder.begin("all_reduce", tensor):
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            with self.recorder.begin("all_reduce", tensor) as pending:
+                work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+                work.wait()  # gloo: finished; NCCL: the current stream waits, the host does not
+                pending.track(work)  # so the record says in_flight until the GPU really finished
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -177,7 +180,7 @@ def process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     initialized = False
-    if env.world_size > 1 and not dist.is_initialized():
+    if needs_process_group(env) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=init_timeout_s)
         if env.launcher == "torchrun":
             # torchrun hosts the store; env:// joins it instead of starting a second one.
@@ -195,6 +198,13 @@ def process_group(
     finally:
         if initialized:
             teardown()
+
+
+def needs_process_group(env: ClusterEnv) -> bool:
+    """A group for more than one rank, and for one rank under torchrun too: a one-GPU job then
+    runs the same path as a cluster's (NCCL, DDP's reducer, no_sync). A plain ``podtrain train``
+    without a launcher stays one process without a group."""
+    return env.world_size > 1 or env.launcher == "torchrun"
 
 
 def teardown() -> None:

@@ -1,10 +1,16 @@
 """The collective record: this rank's last collectives, for the hang watchdog's dumps.
 
 ``CollectiveRecorder`` is a small ring buffer every ``DistContext`` owns; podtrain's own
-collectives (``DistContext`` helpers, the stop-signal agreement) record themselves in it, and
-``recording_allreduce_hook``, a DDP comm hook, records each gradient bucket's AllReduce and
-measures how long the rank waited for the others (the signal ``train.stragglers`` uses to find a
-slow rank). ``watchdog.Watchdog`` dumps the record when a rank hangs.
+collectives (``DistContext`` helpers, the stop-signal agreement) record themselves in it, and the
+``Stepper`` records each step's DDP gradient sync as one entry (not one per bucket: DDP keeps its
+native C++ AllReduce, no Python comm hook runs on the hot path). ``watchdog.Watchdog`` dumps the
+record when a rank hangs.
+
+An entry is done when its ``with`` block ends, or, for asynchronous work, when its *probe* says
+so: a ``dist.Work`` (``is_completed()``) or a CUDA event recorded after the work
+(``query()``). That is what makes the record true on NCCL, where a collective call returns once
+the work is queued: the entry stays ``in_flight`` until the GPU has really finished it, and the
+watchdog fires on a tracked entry that stays unfinished past its deadline (``stuck``).
 """
 
 from __future__ import annotations
@@ -16,8 +22,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 
 def _caller(depth: int) -> str:
@@ -31,7 +35,8 @@ def _caller(depth: int) -> str:
 
 
 class _Pending:
-    """One recorded collective; a context manager that marks it done on exit."""
+    """One recorded collective; a context manager that marks it done on exit, or ``done()`` /
+    ``track(probe)`` for work that finishes later."""
 
     __slots__ = ("entry", "_recorder")
 
@@ -43,7 +48,27 @@ class _Pending:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and "probe" in self.entry:
+            return  # queued, not finished (NCCL): the probe tells when it is
         self._recorder.finish(self.entry, error=exc_type is not None)
+
+    def done(self) -> None:
+        """The collective finished now (seen by the host)."""
+        self._recorder.finish(self.entry)
+
+    def track(self, probe: Any) -> None:
+        """The collective was queued; ``probe`` (a ``dist.Work`` or a ``torch.cuda.Event``
+        recorded after it) tells when it really finished. One attribute store: no sync."""
+        self.entry["probe"] = probe
+
+
+def _probe_done(probe: Any) -> bool:
+    """Whether asynchronous work finished: ``dist.Work.is_completed`` or ``Event.query``."""
+    try:
+        check = getattr(probe, "is_completed", None) or probe.query
+        return bool(check())
+    except Exception:  # a failed work object is finished, with an error the rank will raise
+        return True
 
 
 class CollectiveRecorder:
@@ -56,13 +81,9 @@ class CollectiveRecorder:
     def __init__(self, capacity: int = 64):
         self._entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
         self._seq = 0
-        # For the DDP hook: when the last bucket was launched and when the last one finished.
-        self._sync_launch = 0.0
-        self._sync_finish = 0.0
-        self._sync_pending = False
 
     def begin(self, op: str, tensor: torch.Tensor | None = None, *, group_size: int | None = None,
-              caller: str | None = None, skip: int = 1) -> _Pending:
+              caller: str | None = None, skip: int = 1, nbytes: int | None = None) -> _Pending:
         """Record that ``op`` starts now; use as ``with recorder.begin("all_reduce", t): ...``.
 
         ``skip`` is how many frames above the caller of ``begin`` name the real caller (1 skips
@@ -77,6 +98,8 @@ class CollectiveRecorder:
             entry["shape"] = list(tensor.shape)
             entry["dtype"] = str(tensor.dtype).removeprefix("torch.")
             entry["bytes"] = tensor.numel() * tensor.element_size()
+        elif nbytes is not None:
+            entry["bytes"] = nbytes
         if group_size is not None:
             entry["group_size"] = group_size
         self._entries.append(entry)
@@ -88,76 +111,37 @@ class CollectiveRecorder:
         if error:
             entry["error"] = True
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """A copy of the recorded collectives, oldest first, with a ``state`` for each."""
+    def _entries_now(self) -> list[dict[str, Any]]:
         for _ in range(5):
             try:
-                entries = [dict(e) for e in list(self._entries)]
-                break
+                return list(self._entries)
             except RuntimeError:  # the deque changed under us; try again
                 continue
-        else:
-            entries = []
+        return []
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """A copy of the recorded collectives, oldest first, with a ``state`` for each."""
         now = time.time()
-        for e in entries:
-            e["state"] = "in_flight" if e["end"] is None else "done"
+        out = []
+        for entry in self._entries_now():
+            e = dict(entry)
+            probe = e.pop("probe", None)
+            if e["end"] is None and probe is not None and _probe_done(probe):
+                e["state"] = "done"  # finished on the device/backend; the host never waited
+            else:
+                e["state"] = "in_flight" if e["end"] is None else "done"
             e["age_s"] = round(now - e["start"], 3)
-        return entries
+            out.append(e)
+        return out
 
-    # --- DDP comm hook bookkeeping -------------------------------------------------------------
-    def _bucket_launched(self) -> None:
-        self._sync_launch = time.perf_counter()
-        self._sync_pending = True
-
-    def _bucket_finished(self) -> None:
-        self._sync_finish = time.perf_counter()
-
-    def pop_sync_wait(self) -> float:
-        """Seconds the last gradient sync kept this rank waiting after its backward finished.
-
-        Measured by ``recording_allreduce_hook`` as the time from the last bucket's launch (the
-        end of backward) to the last bucket's completion; 0.0 when no sync happened since the
-        last call. A fast rank waits for the slow one, so the straggler is the rank that waits
-        least. Reads two floats: no host sync. On CUDA the hook's future completes when the work
-        is enqueued, so this reads ~0 there.
-        """
-        if not self._sync_pending:
-            return 0.0
-        self._sync_pending = False
-        return max(0.0, self._sync_finish - self._sync_launch)
-
-
-def recording_allreduce_hook(state, bucket):  # DDP rejects annotations it cannot match
-    """DDP comm hook: record the bucket's AllReduce, then run DDP's default AllReduce.
-
-    ``state`` is a ``HookState``, ``bucket`` a ``dist.GradBucket``; returns the
-    ``Future[Tensor]`` DDP waits on. Register with ``register_recording_hook``; the gradients are
-    identical to DDP's default.
-    """
-    recorder = state.recorder
-    pending = recorder.begin("all_reduce", bucket.buffer(), group_size=state.group_size,
-                             caller=f"DDP gradient bucket {bucket.index()}")
-    recorder._bucket_launched()
-    fut = allreduce_hook(state.process_group, bucket)
-
-    def done(f: torch.futures.Future) -> torch.Tensor:
-        recorder.finish(pending.entry)
-        recorder._bucket_finished()
-        return f.value()
-
-    return fut.then(done)
-
-
-class HookState:
-    """State of ``recording_allreduce_hook``: the recorder and the process group (None: default)."""
-
-    def __init__(self, recorder: CollectiveRecorder, process_group: Any = None):
-        self.recorder = recorder
-        self.process_group = process_group
-        self.group_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
-
-
-def register_recording_hook(ddp_model: Any, recorder: CollectiveRecorder,
-                            process_group: Any = None) -> None:
-    """Make ``ddp_model``'s gradient AllReduces appear in ``recorder`` (and be timed)."""
-    ddp_model.register_comm_hook(HookState(recorder, process_group), recording_allreduce_hook)
+    def stuck(self, older_than_s: float) -> dict[str, Any] | None:
+        """The oldest tracked (asynchronous) collective still unfinished ``older_than_s`` after
+        it started, or None: how the watchdog sees a hung NCCL collective while the host, which
+        only queued it, keeps running. Polls the probes; called by the watchdog thread only."""
+        limit = time.time() - older_than_s
+        for entry in self._entries_now():
+            probe = entry.get("probe")
+            if (probe is not None and entry["end"] is None and entry["start"] < limit
+                    and not _probe_done(probe)):
+                return {k: v for k, v in entry.items() if k != "probe"}
+        return None

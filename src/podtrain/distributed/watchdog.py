@@ -14,6 +14,12 @@ job instead of letting it wait out a 30-minute collective timeout:
   the launcher enabled it (``launch/torchrun.py``: ``flight_recorder_env``); PyTorch's own NCCL watchdog also dumps it
   on a collective timeout through ``TORCH_NCCL_DUMP_ON_TIMEOUT``.
 
+On NCCL a hung collective does not block the host at once: the call returned when the work was
+queued, and the host keeps queueing steps until something waits for the GPU. So the watchdog also
+polls the record's tracked entries (``CollectiveRecorder.stuck``: the work object or a CUDA event
+recorded after the collective) and fires when one stays unfinished past the same timeout, naming
+it, even while the host still beats.
+
 Comparing the ranks' files shows who skipped or is stuck in which collective: the ranks waiting
 in ``all_reduce`` at sequence N against the one in ``barrier`` at N.
 """
@@ -133,6 +139,10 @@ class Watchdog:
             if time.monotonic() >= deadline and not self._stop.is_set():
                 self._fire(phase, timeout)
                 return
+            stuck = self.recorder.stuck(timeout) if self.recorder is not None else None
+            if stuck is not None and not self._stop.is_set():
+                self._fire(phase, timeout, stuck)
+                return
 
     def dump(self, reason: str) -> list[Path]:
         """Write the stack, collective and flight-recorder dumps now; return the files written."""
@@ -158,11 +168,15 @@ class Watchdog:
             written.append(path)
         return written
 
-    def _fire(self, phase: str, timeout: float) -> None:
+    def _fire(self, phase: str, timeout: float, stuck: dict[str, Any] | None = None) -> None:
         self.fired = True
         what = "the first step" if phase == "start-up" else f"step {(self._last_step or 0) + 1}"
         reason = (f"no step completed within the {phase} timeout of {timeout:g} s "
                   f"(waiting for {what})")
+        if stuck is not None:
+            reason = (f"collective #{stuck['seq']} {stuck['op']} ({stuck['caller']}) unfinished "
+                      f"{time.time() - stuck['start']:.0f} s after it was queued, beyond the "
+                      f"{phase} timeout of {timeout:g} s")
         try:
             files = self.dump(reason)
             where = ", ".join(str(f) for f in files)
@@ -183,10 +197,15 @@ class Watchdog:
 
 
 def _flight_recorder_json() -> bytes | None:
-    """torch's flight recorder as JSON, when enabled and this torch has it; else None."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError:
+    """torch's flight recorder as JSON, when enabled and this torch has it; else None.
+
+    ``_dump_fr_trace_json`` holds every backend's entries (NCCL's included) on current torch;
+    CUDA builds that predate it name the NCCL one ``_dump_nccl_trace_json``."""
+    import torch._C._distributed_c10d as c10d
+
+    _dump_fr_trace_json = (getattr(c10d, "_dump_fr_trace_json", None)
+                           or getattr(c10d, "_dump_nccl_trace_json", None))
+    if _dump_fr_trace_json is None:
         return None
     try:
         data = _dump_fr_trace_json()

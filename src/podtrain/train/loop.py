@@ -30,7 +30,7 @@ from podtrain.data.manifest import verify_shards
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
 from podtrain.distributed.placement import placement_line
-from podtrain.distributed.recorder import register_recording_hook
+from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.model import build_model, model_size
@@ -42,7 +42,8 @@ from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
-from podtrain.train.replicas import check_all_parameters_used, check_replicas
+from podtrain.train.replicas import (buffers_need_forward_sync, check_all_parameters_used, check_replicas,
+                                     ddp_buffer_arguments)
 from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
 from podtrain.train.step import Stepper
 
@@ -161,7 +162,8 @@ class Trainer:
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
                                cfg.train.grad_clip, ctx.world_size,
                                cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
-                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view)
+                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view,
+                               clock=step_clock(ctx.device), recorder=ctx.recorder)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
         self._setup_checkpoints()
         self._setup_straggler_monitor()
@@ -206,21 +208,16 @@ class Trainer:
         dcfg = self.cfg.dist
         wrapped: torch.nn.Module = model
         if self.ctx.initialized:
+            sync_buffers = buffers_need_forward_sync(model, self.ctx, self.cfg.data.seq_len)
             self.ddp = DDP(model, device_ids=[self.ctx.device.index] if self.ctx.is_cuda else None,
-                           bucket_cap_mb=dcfg.bucket_cap_mb,
+                           **ddp_buffer_arguments(sync_buffers), bucket_cap_mb=dcfg.bucket_cap_mb,
                            gradient_as_bucket_view=dcfg.gradient_as_bucket_view,
                            static_graph=dcfg.static_graph,
                            find_unused_parameters=dcfg.find_unused_parameters)
             wrapped = self.ddp
-            self._register_comm_hook()
         if self.cfg.train.compile:
             wrapped = torch.compile(wrapped)
         return wrapped
-
-    def _register_comm_hook(self) -> None:
-        """Record (and time) DDP's gradient AllReduces in the rank's collective record, which the
-        hang watchdog dumps; the gradients are DDP's default AllReduce's."""
-        register_recording_hook(self.ddp, self.ctx.recorder)
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
@@ -243,8 +240,9 @@ class Trainer:
 
     def _setup_straggler_monitor(self) -> None:
         mcfg = self.cfg.monitor
-        if mcfg.straggler_every and self.ctx.initialized:
-            self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold)
+        if mcfg.straggler_every and self.ctx.world_size > 1:
+            self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold,
+                                              clock=self.stepper.clock)
 
     def _log_start(self) -> None:
         cfg, ctx, size = self.cfg, self.ctx, self.size
@@ -276,16 +274,14 @@ class Trainer:
             batch = self.loader.next()
             set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
                                          cfg.optim.warmup_steps, total))
-            t0 = time.perf_counter()
             self.stepper.step(batch.micro_batches)
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
-            step_s = time.perf_counter() - t0
             interval.add(batch.wait_s)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
-                self._observe_straggler(step_s, batch.wait_s)
+                self._observe_straggler(batch.wait_s)
             if self.step == 1:
                 ctx.set_timeout(collective_timeout(cfg.dist.timeout_s))  # start-up is over
             last = self.step == total
@@ -296,6 +292,7 @@ class Trainer:
                 interval.exclude(self._evaluate())
             if self.checkpointer.should_save(self.step, total):
                 interval.exclude(self._save())
+        self.stop_signal.drain()
         self._summary()
         return self.result
 
@@ -343,10 +340,11 @@ class Trainer:
         self.result.final_loss = loss
         self.result.step = self.step
 
-    def _observe_straggler(self, step_s: float, wait_s: float) -> None:
-        """Feed this step's host-side times to the straggler monitor; every N steps it compares
-        ranks (one small all_gather on every rank) and its report joins the next metrics line."""
-        self.straggler.observe(step_s + wait_s, wait_s, self.ctx.recorder.pop_sync_wait())
+    def _observe_straggler(self, wait_s: float) -> None:
+        """Feed this step's data wait to the straggler monitor (the step clock has the rest);
+        every N steps it compares ranks (one small all_gather on every rank) and its report joins
+        the next metrics line."""
+        self.straggler.observe_wait(wait_s)
         report = self.straggler.maybe_report(self.step)
         if report:
             self._straggler_report = report

@@ -45,3 +45,54 @@ def check_replicas(model: torch.nn.Module, ctx: DistContext, before_ddp: bool) -
         log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
     else:
         raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
+
+
+def buffers_changed_by_forward(model: torch.nn.Module, seq_len: int, device: torch.device) -> list[str]:
+    """Names of the buffers one training-mode forward of a full-length dummy sequence changes
+    (BatchNorm's running statistics, a rotary cache that a long sequence rescales). No collective."""
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    if not before:
+        return []
+    rows = torch.zeros(1, seq_len + 1, dtype=torch.long, device=device)
+    was_training = model.training
+    model.train()
+    with torch.no_grad():
+        micro_batch_loss_sum(model, rows, resolve_precision("fp32", device))
+    model.train(was_training)
+    return [name for name, b in model.named_buffers() if not torch.equal(before[name], b)]
+
+
+def buffers_need_forward_sync(model: torch.nn.Module, ctx: DistContext, seq_len: int) -> bool:
+    """Whether DDP must broadcast rank 0's buffers before every forward (all ranks call this).
+
+    Not when the buffers are constant: every rank built the same ones from the config (rotary
+    ``inv_freq``: compared across ranks here) and a forward leaves them unchanged (checked on a
+    dummy batch). Then the broadcast at DDP's construction is all they ever need, and the
+    per-forward broadcast would only cost a collective per micro-batch.
+    """
+    buffers = [b for _, b in model.named_buffers()]
+    if not buffers or not ctx.initialized:
+        return False
+    changed = buffers_changed_by_forward(model, seq_len, ctx.device)
+    with torch.no_grad():
+        mine = torch.stack([b.detach().double().sum() for b in buffers]).cpu()
+    fingerprints = ctx.all_gather_object(mine)
+    differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
+    if changed or differ:
+        log.info("DDP broadcasts buffers before every forward: %s", "; ".join(filter(None, [
+            f"a forward changes {', '.join(changed[:3])}" if changed else "",
+            f"ranks {differ} built buffers different from rank 0's" if differ else ""])))
+        return True
+    return False
+
+
+def ddp_buffer_arguments(sync: bool) -> dict[str, bool]:
+    """DDP's keyword for per-forward buffer syncing: ``forward_sync_buffers`` where torch has it
+    (2.13: buffers are still broadcast once at construction), else ``broadcast_buffers``."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}

@@ -6,8 +6,16 @@ on preemption or at the time limit (``KillWait``, 30 s by default) and, with
 to every worker and SIGKILLs them 30 s later; Kubernetes sends SIGTERM and SIGKILLs after
 ``terminationGracePeriodSeconds``. ``StopSignal`` turns the configured signals (``ckpt.signals``)
 into a flag. The handler only sets that flag (nothing that takes a lock or allocates), and the
-ranks agree at the step boundary with one small all_reduce (max), so they all save the same step
-even though the signal reached them at different moments.
+ranks agree with one small all_reduce (max), so they all save the same step even though the signal
+reached them at different moments.
+
+The agreement is off the critical path: at step boundary k every rank *starts* an async
+all_reduce of its flag (on a CPU gloo group, so no GPU stream is involved) and reads the one it
+started at boundary k-1, which has long finished (the gradient sync of step k already made every
+rank reach boundary k-1). Every rank reads the same sequence of agreed values, so every rank stops
+at the same boundary; the price is one step of latency between the signal and the save, small
+against any grace period. A blocking all_reduce per step would instead stall the host's run-ahead
+of kernel launches at every step on a GPU, with a latency that grows with the job.
 
 ``REQUEUE_EXIT_CODE`` (143 = 128 + SIGTERM) is the status a rank exits with after that save:
 
@@ -29,7 +37,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,6 +71,9 @@ class StopSignal:
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._group = None
         self._group_ready = False
+        # The agreement started at the previous boundary: (work, its recorded entry), or None.
+        self._pending: tuple[Any, Any] | None = None
+        self._stop_agreed = False
         if threading.current_thread() is not threading.main_thread():
             log.warning("stop signals not installed: only the main thread may set signal handlers")
             return
@@ -87,18 +98,49 @@ class StopSignal:
     def should_stop(self, ctx: DistContext) -> bool:
         """Every rank, at every step boundary: True on all ranks when any rank got a signal.
 
-        One all_reduce of one int32 on a CPU (gloo) group, so no GPU synchronisation per step.
+        With a process group the answer is the one agreed at the previous boundary (one step of
+        latency, see the module doc): it reads the async all_reduce started then and starts the
+        next one. One int32 on a CPU (gloo) group; no blocking collective, no GPU synchronisation
+        per step. Without a group the local flag answers at once.
         """
-        self._flag[0] = 1 if self.received is not None else 0
-        if ctx.initialized:
-            # Recorded: between steps this is where a rank waits for one that stopped.
-            with ctx.recorder.begin("all_reduce", self._flag, caller="StopSignal.should_stop"):
-                dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx))
-        stop = bool(self._flag[0])
+        if self._stop_agreed:
+            return True  # agreed once: every later boundary stops too, without a collective
+        if not ctx.initialized:
+            stop = self.received is not None
+        else:
+            stop = self._agreed()
+            if not stop:
+                self._start_agreement(ctx)
+        self._stop_agreed = stop
         if stop and ctx.is_main:
             name = signal.Signals(self.received).name if self.received else "a signal on another rank"
             log.warning("stop requested (%s): checkpointing and exiting at this step boundary", name)
         return stop
+
+    def _agreed(self) -> bool:
+        """The value the ranks agreed on at the previous boundary (False at the first)."""
+        if self._pending is None:
+            return False
+        work, entry = self._pending
+        self._pending = None
+        work.wait()  # finished already: every rank passed the previous boundary's gradient sync
+        entry.done()
+        return bool(self._flag[0])
+
+    def _start_agreement(self, ctx: DistContext) -> None:
+        self._flag[0] = 1 if self.received is not None else 0
+        # Recorded with its work object: the watchdog sees an agreement no peer ever joined.
+        entry = ctx.recorder.begin("all_reduce", self._flag, caller="StopSignal.should_stop")
+        work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx),
+                               async_op=True)
+        entry.track(work)
+        self._pending = (work, entry)
+
+    def drain(self) -> None:
+        """Finish the agreement still in flight (every rank, when the loop ends without a stop),
+        so no collective outlives the loop."""
+        if self._pending is not None:
+            self._agreed()
 
     def _cpu_group(self, ctx: DistContext):
         """The default group under gloo; under another backend, a gloo group made on first use."""

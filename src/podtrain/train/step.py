@@ -10,7 +10,10 @@ Communication: all micro-batches but the last run under ``ddp.no_sync()`` (gradi
 locally); the last one's backward all-reduces the buckets, overlapped with the backward itself.
 
 Host syncs: none. Loss and gradient norm accumulate in device tensors that the loop reads only at
-log intervals (``StepStats.read``).
+log intervals (``StepStats.read``). Step and sync-wait times go to a ``StepClock`` (host clocks on
+the CPU, CUDA events on a GPU, read lazily), and each step's gradient sync is one entry of the
+collective record, tracked until the device finished it (``distributed/timing.py``,
+``distributed/recorder.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from podtrain.distributed.recorder import CollectiveRecorder
+from podtrain.distributed.timing import HostStepClock
+from podtrain.model import unwrap
 from podtrain.train.precision import Precision
 
 
@@ -83,11 +89,15 @@ class Stepper:
         grads_are_bucket_views: DDP's gradient_as_bucket_view is on: gradients are zeroed in
             place rather than set to None, so they stay views of the buckets (no reallocation
             and copy into the bucket every step).
+        clock: times each step and its sync wait (``distributed.timing.step_clock``); default
+            host clocks.
+        recorder: the collective record that gets one entry per gradient sync (None: none).
     """
 
     def __init__(self, model: nn.Module, ddp: nn.Module | None, optimizer: torch.optim.Optimizer,
                  precision: Precision, grad_clip: float, world_size: int,
-                 global_target_tokens: int, device: torch.device, grads_are_bucket_views: bool = False):
+                 global_target_tokens: int, device: torch.device, grads_are_bucket_views: bool = False,
+                 clock: HostStepClock | None = None, recorder: CollectiveRecorder | None = None):
         self.model, self.ddp, self.optimizer = model, ddp, optimizer
         self.precision = precision
         self.scaler = precision.grad_scaler()
@@ -97,6 +107,10 @@ class Stepper:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.stats = StepStats(device)
         self.grads_to_none = not grads_are_bucket_views
+        self.clock = clock or HostStepClock()
+        self.clock.watch_backward(unwrap(model))
+        self.recorder = recorder if ddp is not None else None
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         if last or self.ddp is None:
@@ -105,18 +119,29 @@ class Stepper:
 
     def step(self, micro_batches: list[torch.Tensor]) -> None:
         """Forward/backward every micro-batch, then one optimizer step (learning rate preset)."""
+        self.clock.start_step()
         self.accumulate(micro_batches)
         self.apply()
+        self.clock.end_step()
 
     def accumulate(self, micro_batches: list[torch.Tensor]) -> None:
         """Forward/backward of every micro-batch; gradients are synchronised after the last."""
         last = len(micro_batches) - 1
         for i, rows in enumerate(micro_batches):
             rows = rows.to(self.device, non_blocking=True)
+            sync = None
+            if i == last and self.recorder is not None:
+                # One record per step, not a Python comm hook per bucket: DDP's C++ AllReduce runs.
+                sync = self.recorder.begin("all_reduce", nbytes=self._grad_bytes,
+                                           caller="DDP gradient sync (all buckets)")
             with self._sync_context(i == last):
                 loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
                 scaled = loss_sum * self.loss_scale
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            if i == last:
+                probe = self.clock.synced()
+                if sync is not None:
+                    sync.track(probe) if probe is not None else sync.done()
             self.stats.loss_sum += loss_sum.detach()
             self.stats.tokens += rows.shape[0] * (rows.shape[1] - 1)
 

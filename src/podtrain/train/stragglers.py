@@ -4,11 +4,14 @@ In synchronous DDP every rank finishes a step at the same moment, because the gr
 AllReduce waits for the slowest rank: the whole-step times of all ranks are nearly equal, and the
 *fast* ranks spend the difference waiting in the sync. So the monitor compares each rank's own
 work per step, ``busy = step_time - sync_wait``, where ``sync_wait`` is how long the rank waited
-for the others after its backward (``CollectiveRecorder.pop_sync_wait()``, measured by the
-recording DDP comm hook). Without a sync wait (0.0) it compares whole-step times, which is right
-when the loop measures a rank's time before the sync.
+for the others after its backward. In training both come from the ``Stepper``'s step clock
+(``distributed/timing.py``: CUDA events on a GPU, read lazily; host clocks on the CPU), taken once
+per report; callers without a clock feed host times through ``observe``. Without a sync wait
+(0.0) it compares whole-step times, which is right when the caller measures a rank's time before
+the sync.
 
-``observe`` is called every step on every rank and only adds floats: no collective, no host sync.
+``observe_wait`` (with a clock) or ``observe`` is called every step on every rank and only adds
+floats: no collective, no host sync.
 ``maybe_report`` is called every step on every rank too; every ``every`` steps it issues ONE small
 all_gather (3 floats per rank) and returns a dict for metrics.jsonl; rank 0 logs a WARNING
 naming the rank and host when the slowest rank's busy time exceeds the median by more than
@@ -42,14 +45,17 @@ class StragglerMonitor:
     """Per-rank step and data-wait times, compared across ranks every ``every`` steps.
 
     Construct it on every rank (the constructor gathers the host names: one collective).
+    ``clock`` (a ``distributed.timing`` step clock) supplies step and sync-wait times; without
+    one, ``observe`` does.
     """
 
-    def __init__(self, ctx: Any, every: int = 100, threshold: float = 0.10):
+    def __init__(self, ctx: Any, every: int = 100, threshold: float = 0.10, clock: Any = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.ctx = ctx
         self.every = every
         self.threshold = threshold
+        self.clock = clock
         self.hosts: list[str] = ctx.all_gather_object(ctx.env.hostname)
         self._reset()
 
@@ -70,6 +76,11 @@ class StragglerMonitor:
         self._data_wait += data_wait_s
         self._sync_wait += sync_wait_s
 
+    def observe_wait(self, data_wait_s: float) -> None:
+        """With a clock: add one step's data wait (the clock has its step and sync times)."""
+        self._steps += 1
+        self._data_wait += data_wait_s
+
     def maybe_report(self, step: int) -> dict[str, Any] | None:
         """Every ``every`` steps, compare the ranks (one all_gather, on every rank); else None.
 
@@ -81,6 +92,13 @@ class StragglerMonitor:
             return None
         n = max(1, self._steps)
         mine = [self._step_time / n, self._data_wait / n, self._sync_wait / n]
+        if self.clock is not None:
+            # The completed steps' device (or host) times; the data wait is waited before the
+            # clock starts, so it is added to make the step time the whole step's.
+            times = self.clock.take()
+            m = max(1, times.steps)
+            mine[0] = times.step_s / m + mine[1]
+            mine[2] = times.sync_wait_s / m
         self._reset()
         table = self._gather(mine)
         step_t, data_w, sync_w = ([row[i] for row in table] for i in range(3))
