@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from podtrain.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a profile runs: config validation stays light
+    import torch
 
 log = logging.getLogger("podtrain")
 
@@ -50,7 +51,7 @@ class StepProfiler:
         self.steps = steps
         self.out_dir, self.rank, self.device = out_dir, rank, device
         self.cuda_memory = cuda_memory and device.type == "cuda"
-        self._profiler: torch.profiler.profile | None = None
+        self._profiler: "torch.profiler.profile | None" = None
         self.trace_path: Path | None = None
 
     @contextlib.contextmanager
@@ -60,6 +61,8 @@ class StepProfiler:
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
             yield
             return
+        import torch
+
         if self._profiler is None:
             self._start()
         with torch.profiler.record_function(f"ProfilerStep#{step}"):
@@ -68,6 +71,8 @@ class StepProfiler:
             self.finish()
 
     def _start(self) -> None:
+        import torch
+
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -82,6 +87,8 @@ class StepProfiler:
         the range (a stop signal), so the steps taken are not lost. Idempotent."""
         if self._profiler is None:
             return
+        import torch
+
         profiler, self._profiler = self._profiler, None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels of the last step belong in the trace

@@ -125,8 +125,12 @@ class WandbTracker:
         self._run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
-        """Finish the run (writes its files)."""
+        """Finish the run and wait until its files are written: ``finish`` alone may return
+        before W&B's service process has flushed the run file."""
+        import wandb
+
         self._run.finish()
+        wandb.teardown()
 
 
 class MlflowTracker:
