@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from podtrain.observe.trackers import Tracker
+from podtrain.observe.records import METRICS_FILE, segment_record
+from podtrain.observe.trackers import Tracker, open_trackers
 
 
 class MetricsWriter:
@@ -45,3 +47,14 @@ class MetricsWriter:
         trackers, self._trackers = self._trackers, []
         for tracker in trackers:
             tracker.close()
+
+
+def open_run_metrics(run_dir: Path, enabled: bool, trackers: list[str], run_id: str,
+                     config: dict[str, Any], step: int, tokens_seen: int) -> MetricsWriter:
+    """The run's writer for an attempt continuing after ``step``: on rank 0 (``enabled``) with the
+    trackers of ``log.trackers`` started, and the attempt's segment marker written first, so
+    readers drop what a resumed attempt replaces (``observe/records.py``)."""
+    writer = MetricsWriter(run_dir / METRICS_FILE, enabled,
+                           open_trackers(trackers, run_dir, run_id, config, step) if enabled else ())
+    writer.write(segment_record(step, tokens_seen, step > 0, run_id, time.time()))
+    return writer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -53,6 +54,7 @@ class StepProfiler:
         self.cuda_memory = cuda_memory and device.type == "cuda"
         self._profiler: "torch.profiler.profile | None" = None
         self.trace_path: Path | None = None
+        self._write_s = 0.0
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -89,6 +91,7 @@ class StepProfiler:
             return
         import torch
 
+        start = time.perf_counter()
         profiler, self._profiler = self._profiler, None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels of the last step belong in the trace
@@ -104,5 +107,12 @@ class StepProfiler:
             snapshot = stem.with_name(stem.name + ".memory.pickle")
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
+        self._write_s += time.perf_counter() - start
         if self.rank == 0:
             log.info("profile of steps %d-%d written to %s (one file per rank)", first, last, self.out_dir)
+
+    def take_write_s(self) -> float:
+        """Seconds spent writing the files since the last call: the loop leaves them out of its
+        throughput, as it does evaluation and checkpoint time."""
+        seconds, self._write_s = self._write_s, 0.0
+        return seconds

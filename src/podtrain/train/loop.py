@@ -36,10 +36,8 @@ from podtrain.errors import UserError
 from podtrain.model import build_model, model_size
 from podtrain.observe.console import Progress, setup_logging
 from podtrain.observe.hardware import max_memory_bytes, peak_flops
-from podtrain.observe.metrics import MetricsWriter
+from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
-from podtrain.observe.records import segment_record
-from podtrain.observe.trackers import open_trackers
 from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
@@ -172,11 +170,8 @@ class Trainer:
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
-        trackers = (open_trackers(cfg.log.trackers, self.run_dir, self.run_id, to_dict(cfg), self.step)
-                    if ctx.is_main else ())
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main, trackers=trackers)
-        # Readers of metrics.jsonl drop the records a resumed attempt replaces (observe/records.py).
-        self.metrics.write(segment_record(self.step, self.tokens_seen, self.step > 0, self.run_id, time.time()))
+        self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
+                                        to_dict(cfg), self.step, self.tokens_seen)
         self.profiler = StepProfiler(parse_steps(cfg.profile.steps), self.run_dir / "profile", ctx.rank,
                                      ctx.device, cfg.profile.cuda_memory)
         self._log_start()
@@ -293,6 +288,7 @@ class Trainer:
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             step_s = time.perf_counter() - t0
             interval.add(batch.wait_s)
+            interval.exclude(self.profiler.take_write_s())
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
