@@ -457,10 +457,12 @@ TINY_TRAINING = ("model.preset=tiny", "data.seq_len=64", "train.micro_batch_size
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl (empty when the file is missing)."""
+    """The step records of RUN_DIR/metrics.jsonl in file order, without the attempts' segment
+    markers (empty when the file is missing)."""
     import json
 
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("kind") != "segment"]

@@ -63,6 +63,6 @@ def test_launch_local_two_ranks_trains(repo, tmp_path, builtin_data):
     rank0_files = list((run_dir / "logs").rglob("0/stdout.log"))
     rank1_files = list((run_dir / "logs").rglob("1/std*.log"))
     assert rank0_files and len(rank1_files) == 2
-    assert "[podtrain] step 16 loss" in "".join(p.read_text() for p in rank0_files)
+    assert "[podtrain] step 16/16 loss" in "".join(p.read_text() for p in rank0_files)
     rank1_lines = [line for p in rank1_files for line in p.read_text().splitlines() if "[podtrain" in line]
     assert all("WARNING" in line or "ERROR" in line for line in rank1_lines), rank1_lines

@@ -47,7 +47,7 @@ def test_one_process_trains_and_writes_its_config(capsys, data, tmp_path, repo, 
     code, _ = train(capsys, data, tmp_path, "train.steps=3", "log.every=1", "eval.every=0")
     assert code == 0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and (tmp_path / "run" / "config.yaml").is_file()
+    assert len(lines) == 1 + 3 and (tmp_path / "run" / "config.yaml").is_file()  # segment + 3 steps
 
 
 def _train_with_rank_local_mistake(rank, world, good, bad, run_dir):

@@ -147,6 +147,21 @@ class LogSection:
     """auto (rich bar in a terminal, plain lines otherwise), rich, plain, or off."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null looks it up (GPU) or measures it once (CPU)."""
+    trackers: list[str] = field(default_factory=lambda: ["auto"])
+    """Where rank 0 also sends metrics.jsonl's records: tensorboard (RUN_DIR/tb/), wandb
+    (RUN_DIR/wandb/, offline unless WANDB_MODE is set), mlflow (RUN_DIR/mlruns); auto means
+    tensorboard when installed; none or an empty list, nothing. Each is a pip extra."""
+
+
+@dataclass
+class ProfileSection:
+    """torch.profiler traces of chosen steps, on every rank, under RUN_DIR/profile/."""
+
+    steps: str = ""
+    """Steps to trace, FIRST:LAST as numbered in the log lines (e.g. 10:13; quote it in a YAML
+    file); empty is off."""
+    cuda_memory: bool = True
+    """On GPU, also write a CUDA memory snapshot of those steps (for pytorch.org/memory_viz)."""
 
 
 @dataclass
@@ -199,6 +214,7 @@ class RunConfig:
     log: LogSection = field(default_factory=LogSection)
     dist: DistSection = field(default_factory=DistSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
 
 # Allowed values of string keys that act as enums, checked at load time.
@@ -397,9 +413,27 @@ def validate(cfg: RunConfig) -> None:
             f"'train.micro_batch_size' ({cfg.train.micro_batch_size})")
     for name in cfg.ckpt.signals:
         signal_from_name(name, "config key 'ckpt.signals'")
+    _validate_observe(cfg)
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")
+
+
+def _validate_observe(cfg: RunConfig) -> None:
+    """Tracker names and the profile range (whether a tracker is installed is checked at start)."""
+    from podtrain.observe.profile import parse_steps
+    from podtrain.observe.trackers import TRACKER_NAMES
+
+    for name in cfg.log.trackers:
+        if name not in TRACKER_NAMES:
+            raise UserError(f"config key 'log.trackers': unknown tracker {name!r} "
+                            f"(choose from {', '.join(TRACKER_NAMES)})")
+    steps = parse_steps(cfg.profile.steps)
+    if steps is not None and steps[0] > cfg.train.steps:
+        hint = ("; YAML reads an unquoted 10:13 as the base-60 number 613: quote it"
+                if ":" not in cfg.profile.steps else "")
+        raise UserError(f"config key 'profile.steps' ({cfg.profile.steps}) starts after the last "
+                        f"step (train.steps={cfg.train.steps}){hint}")
 
 
 def signal_from_name(name: str | int, where: str = "signal") -> signal.Signals:

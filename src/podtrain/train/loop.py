@@ -36,7 +36,8 @@ from podtrain.errors import UserError
 from podtrain.model import build_model, model_size
 from podtrain.observe.console import Progress, setup_logging
 from podtrain.observe.hardware import max_memory_bytes, peak_flops
-from podtrain.observe.metrics import MetricsWriter
+from podtrain.observe.metrics import MetricsWriter, open_run_metrics
+from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
@@ -134,6 +135,7 @@ class Trainer:
         self._straggler_report: dict[str, Any] | None = None
         self.metrics: MetricsWriter | None = None
         self.progress: Progress | None = None
+        self.profiler: StepProfiler | None = None
         self.result = TrainResult(step=0)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -170,7 +172,10 @@ class Trainer:
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
+                                        to_dict(cfg), self.step, self.tokens_seen)
+        self.profiler = StepProfiler(parse_steps(cfg.profile.steps), self.run_dir / "profile", ctx.rank,
+                                     ctx.device, cfg.profile.cuda_memory)
         self._log_start()
 
     def _setup_local(self) -> None:
@@ -271,13 +276,15 @@ class Trainer:
         while self.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
-            batch = self.loader.next()
-            set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
-                                         cfg.optim.warmup_steps, total))
-            self.stepper.step(batch.micro_batches)
+            with self.profiler.around(self.step + 1):  # a no-op outside profile.steps
+                batch = self.loader.next()
+                set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
+                                             cfg.optim.warmup_steps, total))
+                self.stepper.step(batch.micro_batches)
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             interval.add(batch.wait_s)
+            interval.exclude(self.profiler.take_write_s())
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
@@ -354,8 +361,8 @@ class Trainer:
         val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
                        self.cfg.eval.max_batches, self.precision)
         self.result.val_loss = val
-        record = {"kind": "eval", "step": self.step, "val_loss": val, "run_id": self.run_id,
-                  "time": time.time()}
+        record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
+                  "run_id": self.run_id, "time": time.time()}
         self.metrics.write(record)
         self.progress.note(f"step {self.step}: validation loss {val:.4f}")
         return time.perf_counter() - t0
@@ -408,6 +415,8 @@ class Trainer:
             self.watchdog = None
 
     def _release(self) -> None:
+        if self.profiler is not None:
+            self.profiler.finish()  # a run stopped inside profile.steps keeps the steps it traced
         if self.loader is not None:
             self.loader.close()
         if self.progress is not None:

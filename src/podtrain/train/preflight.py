@@ -17,6 +17,7 @@ from podtrain.data.loader import SampleIndex
 from podtrain.data.manifest import check_vocab, read_manifest
 from podtrain.model import check_fits, estimate_params, preset_config, round_up
 from podtrain.observe.hardware import device_memory_bytes
+from podtrain.observe.trackers import resolve_trackers
 
 
 @dataclass
@@ -37,6 +38,7 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     ``launch local`` runs it before starting torchrun, so a mistake is one line, not a worker
     failure."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
     manifest = read_manifest(cfg.data.path)
     vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
     check_vocab(manifest, vocab)

@@ -1,0 +1,140 @@
+"""``podtrain plot RUN_DIR... [--out FILE.png|FILE.html]``: a run's curves in one picture.
+
+Six panels against tokens seen: training and validation loss, learning rate, gradient norm,
+tokens/s, MFU and data wait; several run directories are overlaid, one colour each, and every
+restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
+``observe/records.py``. ``.html`` writes one self-contained file: the PNG embedded plus a table of
+each run's final numbers. Needs matplotlib (``pip install 'podtrain[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+from pathlib import Path
+from typing import Any
+
+from podtrain.errors import UserError
+from podtrain.observe.records import RunRecords, read_records
+
+# (panel title, record field, scale to the shown unit, y label)
+PANELS: tuple[tuple[str, str, float, str], ...] = (
+    ("loss", "loss", 1.0, "nats/token"),
+    ("learning rate", "lr", 1.0, "lr"),
+    ("gradient norm", "grad_norm", 1.0, "norm before clipping"),
+    ("throughput", "tokens_per_s", 1.0, "tokens/s"),
+    ("MFU", "mfu", 100.0, "% of peak"),
+    ("data wait", "data_wait_s", 1000.0, "ms per step"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``podtrain plot``."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
+    parser.add_argument("--out", default=None,
+                        help="output file, .png or .html (default: plot.png in the first RUN_DIR)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read every run, draw, write; prints the output path."""
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "plot.png"
+    if out.suffix.lower() not in (".png", ".html"):
+        raise UserError(f"--out {out}: the file name must end in .png or .html")
+    runs = [read_records(d) for d in args.run_dirs]
+    for r in runs:
+        if not r.train:
+            raise UserError(f"{r.run_dir / 'metrics.jsonl'} holds no training records yet")
+    png = render_png(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".png":
+        out.write_bytes(png)
+    else:
+        out.write_text(render_html(runs, png), encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("podtrain plot needs matplotlib (pip install 'podtrain[plot]')") from None
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(records: list[dict[str, Any]], key: str, scale: float) -> tuple[list[float], list[float]]:
+    points = [(r["tokens_seen"], scale * r[key]) for r in records
+              if r.get(key) is not None and r.get("tokens_seen") is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def render_png(runs: list[RunRecords]) -> bytes:
+    """The six panels as PNG bytes (one colour per run, restarts dotted)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, records in enumerate(runs):
+        colour, name = colours[i % len(colours)], _label(records, runs)
+        for ax, (title, key, scale, unit) in zip(axes.flat, PANELS):
+            xs, ys = _series(records.train, key, scale)
+            ax.plot(xs, ys, color=colour, lw=1.4, label=f"{name} train" if key == "loss" else name)
+            if key == "loss":
+                vx, vy = _series(records.eval, "val_loss", 1.0)
+                ax.plot(vx, vy, color=colour, ls="--", marker="o", ms=4, label=f"{name} validation")
+            for restart in records.restarts:
+                ax.axvline(restart["tokens_seen"], color=colour, ls=":", lw=1.2)
+            ax.set_title(title)
+            ax.set_xlabel("tokens seen")
+            ax.set_ylabel(unit)
+            ax.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    if any(r.restarts for r in runs):
+        axes.flat[1].plot([], [], color="grey", ls=":", label="restart (resumed)")
+        axes.flat[1].legend(fontsize=8)
+    fig.suptitle("podtrain: " + ", ".join(_label(r, runs) for r in runs))
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _label(records: RunRecords, runs: list[RunRecords]) -> str:
+    """The run directory's name, or its path where two runs share a name."""
+    names = [r.run_dir.name for r in runs]
+    return records.run_dir.name if names.count(records.run_dir.name) == 1 else str(records.run_dir)
+
+
+def summary_rows(runs: list[RunRecords]) -> list[dict[str, str]]:
+    """Each run's final numbers, as text: step, tokens, losses, mean throughput and MFU, restarts."""
+    rows = []
+    for r in runs:
+        last = r.train[-1]
+        mfus = [t["mfu"] for t in r.train if t.get("mfu") is not None]
+        rows.append({
+            "run": _label(r, runs), "step": str(last["step"]), "tokens": f"{last.get('tokens_seen', 0):,}",
+            "train loss": f"{last['loss']:.4f}",
+            "validation loss": f"{r.eval[-1]['val_loss']:.4f}" if r.eval else "n/a",
+            "tokens/s (mean)": f"{sum(t['tokens_per_s'] for t in r.train) / len(r.train):,.0f}",
+            "MFU (mean)": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus else "n/a",
+            "restarts": str(len(r.restarts)),
+        })
+    return rows
+
+
+def render_html(runs: list[RunRecords], png: bytes) -> str:
+    """One self-contained page: the PNG inline (base64) and the summary table."""
+    rows = summary_rows(runs)
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row.values()) + "</tr>"
+                   for row in rows)
+    image = base64.b64encode(png).decode("ascii")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>podtrain plot</title>"
+            "<style>body{font-family:sans-serif}td,th{padding:4px 10px;text-align:right}"
+            "table{border-collapse:collapse}tr:nth-child(even){background:#f2f2f2}</style></head>"
+            f"<body><table><tr>{head}</tr>{body}</table>"
+            f"<img alt='curves' src='data:image/png;base64,{image}'></body></html>\n")

@@ -1,0 +1,182 @@
+"""observe/ without a training run: W&B (offline) and MLflow (local SQLite) receive MetricsWriter's
+records, the reader's de-duplication rules, the console's step/ETA line and rich fallback, and
+one-line errors for a bad profile range or a tracker that is not installed."""
+
+import glob
+import json
+import logging
+import struct
+
+import pytest
+
+from podtrain.cli import main
+from podtrain.observe.metrics import MetricsWriter
+from podtrain.observe.records import dedupe, read_records, segment_record
+
+RECORDS = [segment_record(0, 0, False, "abc123", 1000.0)] + [
+    {"kind": "train", "step": s, "loss": 6.0 / s, "lr": 1e-3 * s, "grad_norm": 0.5 + s,
+     "tokens_per_s": 1000.0 + s, "mfu": 0.01 * s, "tokens_seen": 64 * s, "run_id": "abc123",
+     "time": 1000.0 + s, "straggler_host": "node-1"} for s in (1, 2, 3)] + [
+    {"kind": "eval", "step": 3, "val_loss": 2.5, "tokens_seen": 192, "run_id": "abc123", "time": 1004.0}]
+
+
+def _write(run_dir, names):
+    from podtrain.observe.trackers import open_trackers
+
+    writer = MetricsWriter(run_dir / "metrics.jsonl", True,
+                           open_trackers(names, run_dir, "abc123", {"optim": {"lr": 1e-3}}))
+    for record in RECORDS:
+        writer.write(record)
+    writer.close()
+
+
+def _wandb_history(path):
+    """History rows of a W&B offline run file (a LevelDB-style log of protobuf records; wandb
+    0.31 ships no Python reader for it)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw, block = open(path, "rb").read(), 32768
+    assert raw[:4] == b":W&B"
+    pos, parts, rows = 7, b"", []
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += block - pos % block
+            continue
+        parts += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = pb.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({(i.nested_key[0] if i.nested_key else i.key): json.loads(i.value_json)
+                             for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is in the test extra: pip install -e '.[test]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _write(tmp_path, ["wandb"])
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-abc123.wandb"))
+    rows = [r for r in _wandb_history(run_file) if "train/loss" in r]
+    assert [(r["_step"], r["train/loss"], r["train/mfu"]) for r in rows] == [(s, 6.0 / s, 0.01 * s) for s in (1, 2, 3)]
+    assert rows[2]["eval/val_loss"] == 2.5  # W&B joins what is logged at one step into one row
+    assert not any("straggler_host" in k or "segment" in k for r in rows for k in r)
+
+
+def test_mlflow_local_store_holds_the_records(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="optional extra, not in `test` (~450 MB, ~25 s to install): "
+                                         "pip install 'podtrain[mlflow]' to run this test")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    _write(tmp_path, ["mlflow"])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("podtrain").experiment_id])
+    assert run.data.tags["podtrain_run_id"] == "abc123" and run.data.params["optim.lr"] == "0.001"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(s, 6.0 / s) for s in (1, 2, 3)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/val_loss")] == [(3, 2.5)]
+    assert run.info.status == "FINISHED"
+
+
+def test_dedupe_drops_a_killed_attempts_steps_past_the_resume_point():
+    first = [{"kind": "train", "step": s, "a": 1} for s in (5, 10, 15)]  # killed after 15, saved at 10
+    second = [segment_record(10, 0, True, "r", 0.0), {"kind": "train", "step": 20, "a": 2}]
+    train, evals, restarts = dedupe(first + second)
+    assert [(r["step"], r["a"]) for r in train] == [(5, 1), (10, 1), (20, 2)]  # 15 is gone
+    assert evals == [] and [r["step"] for r in restarts] == [10]
+    # A fresh start (ckpt.resume=never) in the same directory replaces everything before it.
+    train, _, restarts = dedupe(first + [segment_record(0, 0, False, "r", 0.0), {"kind": "train", "step": 5, "a": 3}])
+    assert [(r["step"], r["a"]) for r in train] == [(5, 3)] and restarts == []
+
+
+def test_reader_ignores_a_torn_last_line_and_names_a_bad_middle_one(tmp_path):
+    lines = [json.dumps(r) for r in RECORDS]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind":"tra')
+    assert [r["step"] for r in read_records(tmp_path).train] == [1, 2, 3]
+    (tmp_path / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    from podtrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"metrics.jsonl line 2: not a metrics record"):
+        read_records(tmp_path)
+
+
+class _Lines(logging.Handler):
+    """The podtrain logger's messages while installed (its own handlers print, not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger("podtrain")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("podtrain").removeHandler(self)
+        logging.getLogger("podtrain").setLevel(self._level)
+
+
+def test_plain_lines_show_step_total_tokens_and_eta():
+    from podtrain.observe.console import Progress
+
+    progress = Progress("plain", 100, 0, enabled=True)
+    progress._recent[0] = (1000.0, 0)  # the start, pinned: ETA from 10 steps per 20 s below
+    record = dict(RECORDS[1], step=10, time=1020.0, tokens_seen=40960, step_time_s=0.5, data_wait_s=0.001)
+    with _Lines() as lines:
+        progress.update(record)
+    (line,) = lines.messages
+    assert line.startswith("step 10/100 loss 6.0000 | lr 1.00e-03 | grad 1.500 | ")
+    assert line.endswith("| tokens 40,960 | ETA 3m00s")  # 90 steps at 2 s each
+
+
+def test_rich_off_a_terminal_falls_back_to_plain_with_one_note():
+    from podtrain.observe.console import Progress
+
+    with _Lines() as lines:
+        progress = Progress("rich", 10, 0, enabled=True)  # pytest's stdout is not a terminal
+    assert progress.mode == "plain" and len(lines.messages) == 1
+    assert lines.messages[0].startswith("log.progress=rich needs a terminal")
+
+
+@pytest.mark.parametrize("spec", ["13:10", "abc", "0:3", "3:x"])
+def test_bad_profile_steps_is_one_line(spec, capsys, tmp_path):
+    assert main(["train", "configs/demo.yaml", f"profile.steps={spec}", f"run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"podtrain: error: config key 'profile.steps' must be FIRST:LAST step numbers with "
+                   f"1 <= FIRST <= LAST (e.g. 10:13), got {spec!r}"]
+
+
+def test_unquoted_yaml_range_gets_a_hint(capsys, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  steps: 50\nprofile:\n  steps: 10:13\n")  # YAML 1.1: 613
+    assert main(["train", str(config)]) == 2
+    assert "quote it" in capsys.readouterr().err
+
+
+def test_tracker_not_installed_names_the_extra_absence_simulated(capsys, tmp_path, monkeypatch, repo):
+    # Every tracker package is installed here; its absence is simulated at the one lookup.
+    import podtrain.observe.trackers as trackers
+
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(trackers, "_installed", lambda module: module != "mlflow")
+    assert trackers.resolve_trackers(["auto", "none"]) == ["tensorboard"]
+    code = main(["launch", "local", "configs/demo.yaml", "log.trackers=tensorboard,mlflow",
+                 f"run.dir={tmp_path}", "data.path=tests"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "podtrain: error: config key 'log.trackers' names 'mlflow' but the mlflow package is not "
+        "installed (pip install 'podtrain[mlflow]')"]
