@@ -25,6 +25,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("export",): ("podtrain.export", "write a Hugging Face model folder from a run"),
     ("bench", "collectives"): ("podtrain.diagnostics.collectives", "measure collectives' bandwidth"),
     ("doctor",): ("podtrain.diagnostics.doctor", "preflight checks of a cluster before a long run"),
+    ("plan",): ("podtrain.plan.planner", "predict memory, step time, cost and scaling of a config"),
+    ("report",): ("podtrain.plan.report", "a run's measured step split against its plan"),
 }
 
 

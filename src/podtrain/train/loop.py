@@ -281,11 +281,12 @@ class Trainer:
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             step_s = time.perf_counter() - t0
-            interval.add(batch.wait_s)
+            sync_s = self.ctx.recorder.pop_sync_wait()
+            interval.add(batch.wait_s, sync_s)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
-                self._observe_straggler(step_s, batch.wait_s)
+                self._observe_straggler(step_s, batch.wait_s, sync_s)
             if self.step == 1:
                 ctx.set_timeout(collective_timeout(cfg.dist.timeout_s))  # start-up is over
             last = self.step == total
@@ -331,6 +332,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": per_device_flops / self.peak if self.peak else None,
             "step_time_s": elapsed / max(1, steps), "data_wait_s": interval.wait / max(1, steps),
+            "sync_wait_s": interval.sync / max(1, steps),
             "max_mem_bytes": max_memory_bytes(self.ctx.device), "world_size": self.ctx.world_size,
             "tokens_seen": self.tokens_seen, "epoch": self.loader.epoch, "run_id": self.run_id,
             "time": time.time(),
@@ -343,10 +345,10 @@ class Trainer:
         self.result.final_loss = loss
         self.result.step = self.step
 
-    def _observe_straggler(self, step_s: float, wait_s: float) -> None:
+    def _observe_straggler(self, step_s: float, wait_s: float, sync_s: float) -> None:
         """Feed this step's host-side times to the straggler monitor; every N steps it compares
         ranks (one small all_gather on every rank) and its report joins the next metrics line."""
-        self.straggler.observe(step_s + wait_s, wait_s, self.ctx.recorder.pop_sync_wait())
+        self.straggler.observe(step_s + wait_s, wait_s, sync_s)
         report = self.straggler.maybe_report(self.step)
         if report:
             self._straggler_report = report
@@ -357,7 +359,7 @@ class Trainer:
                        self.cfg.eval.max_batches, self.precision)
         self.result.val_loss = val
         record = {"kind": "eval", "step": self.step, "val_loss": val, "run_id": self.run_id,
-                  "time": time.time()}
+                  "eval_s": time.perf_counter() - t0, "time": time.time()}
         self.metrics.write(record)
         self.progress.note(f"step {self.step}: validation loss {val:.4f}")
         return time.perf_counter() - t0
@@ -371,7 +373,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
                                self.train_state())
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.metrics.write({"kind": "save", "step": self.step, "save_s": seconds, "time": time.time()})
+        return seconds
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
@@ -431,11 +435,13 @@ class _Interval:
     start: float
     steps: int = 0
     wait: float = 0.0
+    sync: float = 0.0
     excluded: float = 0.0
 
-    def add(self, wait_s: float) -> None:
+    def add(self, wait_s: float, sync_s: float) -> None:
         self.steps += 1
         self.wait += wait_s
+        self.sync += sync_s
 
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
