@@ -4,7 +4,8 @@ on this machine, naming the component furthest from its prediction.
 Measured, from ``RUN_DIR/metrics.jsonl`` (rank 0's lines): ``step_time_s``, ``data_wait_s`` and
 ``sync_wait_s`` per step (compute = step - data wait - sync wait, optimizer included), ``save_s``
 of every ``kind=save`` line and ``eval_s`` of every ``kind=eval`` line amortised over the steps.
-The first log interval holds start-up (allocations, first collectives) and is left out when there
+Where the straggler reports give every rank's data wait, the slowest rank's is the run's (the
+others wait for it in the sync). The first log interval holds start-up (allocations, first collectives) and is left out when there
 are later ones. A large sync wait on rank 0 means another rank was slower: the straggler fields
 (``straggler_rank``, ``busy_by_rank``) name it.
 """
@@ -50,6 +51,13 @@ def measured_split(records: list[dict[str, Any]]) -> dict[str, Any]:
     steps = max(int(r["step"]) for r in train)
     step, data = mean("step_time_s"), mean("data_wait_s")
     sync = mean("sync_wait_s") if all("sync_wait_s" in r for r in steady) else None
+    slowest_data = _slowest_data_wait(steady)
+    if slowest_data is not None and slowest_data > data:
+        # Another rank waited longer for its batch and rank 0 waited for that rank in the sync:
+        # that part of rank 0's sync wait is data wait.
+        if sync is not None:
+            sync = max(0.0, sync - (slowest_data - data))
+        data = slowest_data
     saves = sum(float(r.get("save_s") or 0.0) for r in records if r.get("kind") == "save")
     evals = sum(float(r.get("eval_s") or 0.0) for r in records if r.get("kind") == "eval")
     last = train[-1]
@@ -60,6 +68,14 @@ def measured_split(records: list[dict[str, Any]]) -> dict[str, Any]:
         "goodput": {k: v for k, v in last.items() if k.startswith("goodput")} or None,
         "straggler": _straggler(train),
     }
+
+
+def _slowest_data_wait(steady: list[dict[str, Any]]) -> float | None:
+    """The largest per-rank data wait of the straggler reports (``data_wait_by_rank``), or None."""
+    reports = [r["data_wait_by_rank"] for r in steady if r.get("data_wait_by_rank")]
+    if not reports:
+        return None
+    return max(sum(r[i] for r in reports) / len(reports) for i in range(len(reports[0])))
 
 
 def _straggler(train: list[dict[str, Any]]) -> dict[str, Any] | None:

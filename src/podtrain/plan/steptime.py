@@ -9,6 +9,9 @@
   (buckets-1)/buckets). FSDP gathers each block's 16-bit weights in forward and backward and
   reduce-scatters fp32 gradients, overlapped block by block with compute; HSDP does that inside a
   node and all-reduces the node's shard across nodes.
+* latency: every collective also pays ~2 x log2(n) network hops of COLLECTIVE_HOP_S (NCCL
+  switches from rings to trees and pipelines at scale, so the hop count grows like a tree's
+  depth); at hundreds of nodes this, not bandwidth, is what outgrows the compute of small models.
 * optimizer: AdamW and clipping are memory-bound, ~32 bytes moved per local parameter.
 * data: the loader builds batches ahead; only a build slower than the step is waited for.
 * saves and evaluation: amortised over the steps between them (the loop's step_time_s excludes
@@ -17,12 +20,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from podtrain.diagnostics.busbw import bus_factor
 from podtrain.plan.memory import GRAD_BYTES, WEIGHT_BYTES, ModelShape
 
 OPTIMIZER_BYTES_PER_PARAM = 32
+# Seconds per network hop of a collective (EFA/InfiniBand message latency is ~10-20 us).
+COLLECTIVE_HOP_S = 15e-6
 # Pinned device-to-host copy rate of a checkpoint's host staging on a GPU (PCIe Gen4/5 x16).
 GPU_HOST_COPY_BYTES_PER_S = 25e9
 # Disk write rate for synchronous checkpoints (bytes/s): a shared file system such as FSx for
@@ -101,6 +107,11 @@ def ring_gather_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
     return bus_factor("all_gather", ranks) * nbytes / (busbw_gbps * 1e9)
 
 
+def latency_s(collectives: float, ranks: int) -> float:
+    """Hop latency of ``collectives`` collectives among ``ranks`` ranks: 2 x log2(ranks) hops each."""
+    return 0.0 if ranks <= 1 else collectives * 2 * math.log2(ranks) * COLLECTIVE_HOP_S
+
+
 def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
     """Communication left after overlapping ``pieces`` equal pieces with ``hiding_s`` of compute:
     the last piece always waits; the rest hide behind the compute that produces later pieces."""
@@ -121,18 +132,21 @@ def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, wor
     grad_bytes = GRAD_BYTES * shape.params
     if strategy == "ddp":
         message = min(work.bucket_bytes, grad_bytes)
-        comm = ring_allreduce_s(grad_bytes, world, busbw(nodes, message))
-        wait = exposed_s(comm, backward, -(-grad_bytes // max(1, work.bucket_bytes)))
+        buckets = -(-grad_bytes // max(1, work.bucket_bytes))
+        comm = ring_allreduce_s(grad_bytes, world, busbw(nodes, message)) + latency_s(buckets, world)
+        wait = exposed_s(comm, backward, buckets)
     else:
         group = world if strategy == "fsdp" else min(world, devices_per_node)
         group_nodes = nodes if strategy == "fsdp" else 1
         layer_bytes = shape.layer_params * work.dtype_bytes
-        gather = 2 * ring_gather_s(layer_bytes, group, busbw(group_nodes, layer_bytes)) * shape.layers
-        scatter = ring_gather_s(grad_bytes, group, busbw(group_nodes, GRAD_BYTES * shape.layer_params))
+        gather = (2 * ring_gather_s(layer_bytes, group, busbw(group_nodes, layer_bytes)) * shape.layers
+                  + latency_s(2 * shape.layers, group))
+        scatter = (ring_gather_s(grad_bytes, group, busbw(group_nodes, GRAD_BYTES * shape.layer_params))
+                   + latency_s(shape.layers, group))
         across = 0.0
         if strategy == "hsdp" and nodes > 1:
             shard_bytes = grad_bytes / group
-            across = ring_allreduce_s(shard_bytes, nodes, busbw(nodes, shard_bytes))
+            across = ring_allreduce_s(shard_bytes, nodes, busbw(nodes, shard_bytes)) + latency_s(1, nodes)
         comm = gather * work.accum + scatter + across
         per_micro = exposed_s(gather, micro_compute, shape.layers)
         wait = per_micro * work.accum + exposed_s(scatter + across, backward, shape.layers)
