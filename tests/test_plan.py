@@ -162,7 +162,7 @@ def _slowed_run(repo, tmp_path, data, fault):
     proc = subprocess.run(
         [sys.executable, "-m", "podtrain.cli", "launch", "local", str(repo / "configs/demo.yaml"),
          "--nproc", "2", f"data.path={data}", f"run.dir={run_dir}", "data.seq_len=64",
-         "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=12", "log.every=4",
+         "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=8", "log.every=4",
          "monitor.straggler_every=4", "eval.every=0", "ckpt.every=0", "log.progress=off",
          "data.verify=false"],
         capture_output=True, text=True, timeout=240, cwd=repo, env=fault_env(fault))

@@ -21,16 +21,17 @@ from podtrain.distributed.group import accelerator_memory_bytes, accelerator_nam
 # Dense (no sparsity) peak FLOP/s per device by (GPU model, precision), from NVIDIA's datasheets;
 # fp32 means plain FP32 (no TF32). Keys are exact models: "L4" and "L40S" differ 3x, and an H100
 # PCIe (114 SMs, 350 W) or NVL (400 W) is slower than the SXM part.
-PEAK_FLOPS: dict[tuple[str, str], float] = {}
-for _model, _bf16, _fp32 in (
+_DATASHEET = (  # (model, bf16 = fp16 dense tensor-core FLOP/s, fp32 FLOP/s)
     ("B200", 2.25e15, 80e12),
     ("H200", 989e12, 67e12), ("H200 NVL", 835e12, 60e12),
     ("H100 SXM", 989e12, 67e12), ("H100 NVL", 835e12, 60e12), ("H100 PCIe", 756e12, 51e12),
     ("A100 80GB", 312e12, 19.5e12), ("A100 40GB", 312e12, 19.5e12),
     ("L40S", 362e12, 91.6e12), ("L4", 121e12, 30.3e12), ("A10G", 70e12, 31.2e12),
-):
-    PEAK_FLOPS.update({(_model, "bf16"): _bf16, (_model, "fp16"): _bf16, (_model, "fp32"): _fp32})
-
+)
+PEAK_FLOPS: dict[tuple[str, str], float] = {
+    (model, precision): fp32 if precision == "fp32" else half
+    for model, half, fp32 in _DATASHEET for precision in ("bf16", "fp16", "fp32")
+}
 
 def gpu_model(device_name: str) -> str | None:
     """The exact ``PEAK_FLOPS`` model of a device name as CUDA reports it, or None when unknown.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from podtrain.distributed.env import omp_num_threads, threads_per_rank
 from podtrain.errors import UserError
 from podtrain.launch import instances
 from podtrain.observe.hardware import PEAK_FLOPS, best_matmul_seconds, device_memory_bytes
@@ -119,7 +119,7 @@ def instance_machine(name: str, precision: str, efficiency: float | None,
 def local_machine(ranks: int, efficiency: float | None, price: float | None) -> Machine:
     """This host measured, as ``ranks`` CPU ranks would see it: each rank's share of the cores runs
     the same fp32 matmul as the training loop's MFU peak, and a memory copy gives the bandwidth."""
-    threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or 0) or (os.cpu_count() or 1) // ranks)
+    threads = omp_num_threads() or threads_per_rank(ranks)  # what each training rank will use
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -129,8 +129,11 @@ def choose(cfg: RunConfig, fits: list[StrategyFit]) -> tuple[str, bool] | None:
     """The config's dist.strategy when it has one, else the first of ddp, hsdp, fsdp whose memory
     fits at the config's micro-batch, preferring no activation checkpointing; None if none fits."""
     wanted = getattr(cfg.dist, "strategy", None)
+    fsdp_shards = next(f.shards for f in fits if f.strategy == "fsdp")
+    # On one node HSDP is FSDP: name it so.
+    candidates = [f for f in fits if not (f.strategy == "hsdp" and f.shards == fsdp_shards)]
     order = [f for f in fits if f.strategy == wanted] if wanted in STRATEGIES else \
-        sorted(fits, key=lambda f: ("ddp", "hsdp", "fsdp").index(f.strategy))
+        sorted(candidates, key=lambda f: ("ddp", "hsdp", "fsdp").index(f.strategy))
     micro = cfg.train.micro_batch_size
     for ac in (False, True):
         for f in order:
