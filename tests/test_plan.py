@@ -208,3 +208,20 @@ def test_report_reads_the_split_from_metrics(repo, tmp_path):
     lines[1].update(data_wait_by_rank=[0.05, 0.2])
     got = measured_split(lines)
     assert got["data wait"] == 0.2 and got["sync wait"] == pytest.approx(0.05)
+
+
+def test_busbw_json_gives_bandwidth_by_message_size(tmp_path):
+    from podtrain.errors import UserError
+    from podtrain.plan.machine import with_busbw_json
+
+    path = tmp_path / "busbw.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"op": "all_reduce", "bytes": 1 << 20, "busbw_gbps": 2.0},
+        {"op": "all_reduce", "bytes": 64 << 20, "busbw_gbps": 9.0},
+        {"op": "broadcast", "bytes": 64 << 20, "busbw_gbps": 50.0}]))
+    machine = with_busbw_json(instance_machine("p4d.24xlarge", "bf16", None, None), str(path))
+    assert machine.busbw_gbps(4, 32 << 20) == 2.0  # the largest measured size not above 32 MiB
+    assert machine.busbw_gbps(4, 1 << 30) == 9.0 and machine.busbw_gbps(4, 1024) == 2.0
+    path.write_text(json.dumps({"op": "broadcast", "bytes": 1, "busbw_gbps": 1.0}) + "\n")
+    with pytest.raises(UserError, match="no all_reduce records"):
+        with_busbw_json(machine, str(path))
