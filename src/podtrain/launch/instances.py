@@ -50,8 +50,9 @@ class InstanceType:
     def inter_busbw_gbps(self) -> float:
         """AllReduce bus bandwidth (GB/s) across nodes: a ring across nodes runs one channel per
         NIC, so its bus bandwidth is the node's network bandwidth (bits to bytes), capped by the
-        bandwidth inside the node."""
-        return min(self.network_gbps / 8.0, self.intra_busbw_gbps)
+        bandwidth inside the node (a one-GPU node has no inside)."""
+        network = self.network_gbps / 8.0
+        return min(network, self.intra_busbw_gbps) if self.intra_busbw_gbps else network
 
     def fabric_env(self) -> dict[str, str]:
         """libfabric variables for NCCL over EFA on this instance; empty when it has no EFA."""
