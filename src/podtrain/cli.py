@@ -26,6 +26,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("plot",): ("podtrain.observe.plot", "draw runs' curves (loss, lr, throughput) to PNG or HTML"),
     ("bench", "collectives"): ("podtrain.diagnostics.collectives", "measure collectives' bandwidth"),
     ("doctor",): ("podtrain.diagnostics.doctor", "preflight checks of a cluster before a long run"),
+    ("plan",): ("podtrain.plan.planner", "predict memory, step time, cost and scaling of a config"),
+    ("report",): ("podtrain.plan.report", "a run's measured step split against its plan"),
 }
 
 

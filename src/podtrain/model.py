@@ -112,8 +112,8 @@ class ModelSize:
     """Parameters that take part in a matmul per token: all but the input embedding, plus the
     LM head when it is tied to the embedding."""
     flops_per_token: float
-    """Training FLOPs per token: 6 x matmul_params + 12 x layers x hidden x seq_len (attention
-    scores and values, forward + backward), the PaLM / nanoGPT accounting."""
+    """Training FLOPs per token: 6 x matmul_params + 12 x layers x (heads x head_dim) x seq_len
+    (attention scores and values, forward + backward), the PaLM / nanoGPT accounting."""
 
 
 def model_size(model: nn.Module, config: Any, seq_len: int) -> ModelSize:
@@ -123,11 +123,23 @@ def model_size(model: nn.Module, config: Any, seq_len: int) -> ModelSize:
     embedding = emb.numel()
     tied = getattr(config, "tie_word_embeddings", False)
     matmul = params - embedding + (embedding if tied else 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    flops = 6.0 * matmul + 12.0 * layers * hidden * seq_len
+    flops = 6.0 * matmul + 12.0 * num_layers(config) * attention_width(config) * seq_len
     return ModelSize(params=params, embedding_params=embedding, matmul_params=matmul,
                      flops_per_token=flops)
+
+
+def num_layers(config: Any) -> int:
+    """Transformer blocks of a transformers config (Llama/Qwen or GPT-2 naming)."""
+    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer"))
+
+
+def attention_width(config: Any) -> int:
+    """num_heads x head_dim: the width of the attention scores' matmuls. It equals hidden_size
+    unless the config sets head_dim otherwise (Qwen3, Gemma: heads x head_dim != hidden)."""
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd"))
+    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head"))
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return heads * int(head_dim)
 
 
 def estimate_params(config: Any) -> int:

@@ -230,3 +230,45 @@ def _slow_rank(args: dict[str, str], patch: Patch) -> None:
         return (seconds * factor if ctx.rank == rank else seconds), flops
 
     patch(doctor, "matmul_seconds", matmul_seconds)
+
+
+
+# -- slowness in training: for `podtrain report` ----------------------------------------------
+@fault("slow-loader")
+def _slow_loader(args: dict[str, str], patch: Patch) -> None:
+    """``slow-loader:seconds=S[,rank=R]``: every batch build sleeps S seconds (in the loader
+    thread or worker process; on rank R only when given), so the step waits for data."""
+    import time
+
+    from podtrain.data import loader
+
+    seconds, only = float(args["seconds"]), args.get("rank")
+    original = loader.ShardedLoader.build
+
+    def build(self, *a, **kw):
+        if only is None or int(only) == self.rank:
+            time.sleep(seconds)
+        return original(self, *a, **kw)
+
+    patch(loader.ShardedLoader, "build", build)
+
+
+@fault("slow-step")
+def _slow_step(args: dict[str, str], patch: Patch) -> None:
+    """``slow-step:rank=R,seconds=S``: rank R sleeps S seconds after every micro-batch's forward,
+    as a slower device would (after DDP's forward-time buffer broadcast, which would otherwise
+    absorb the delay); the other ranks wait for it in the gradient sync."""
+    import time
+
+    from podtrain.train import step
+
+    seconds, rank = float(args["seconds"]), int(args["rank"])
+    original = step.micro_batch_loss_sum
+
+    def slowed(*a, **kw):
+        loss = original(*a, **kw)
+        if _rank() == rank:
+            time.sleep(seconds)
+        return loss
+
+    patch(step, "micro_batch_loss_sum", slowed)

@@ -47,6 +47,8 @@ class HostStepClock:
     """The step's four points on the host clock: right where work is synchronous (CPU, gloo)."""
 
     def __init__(self) -> None:
+        self.total_sync_wait_s = 0.0
+        """Sync wait of every completed step since the start (metrics read differences of it)."""
         self._start = self._backward = self._synced = 0.0
         self._times = StepTimes()
 
@@ -71,7 +73,9 @@ class HostStepClock:
         times.steps += 1
         times.step_s += end - self._start
         # A step without a sync (one process) or without the hook reads 0, not a negative span.
-        times.sync_wait_s += max(0.0, self._synced - self._backward)
+        sync = max(0.0, self._synced - self._backward)
+        times.sync_wait_s += sync
+        self.total_sync_wait_s += sync
 
     def take(self) -> StepTimes:
         """The sums since the last call, and start new ones (no sync)."""
@@ -155,7 +159,9 @@ class CudaStepClock(HostStepClock):
             times.steps += 1
             times.step_s += step.start.elapsed_time(step.end) / 1000.0
             if step.backward is not None and step.synced is not None:
-                times.sync_wait_s += max(0.0, step.backward.elapsed_time(step.synced) / 1000.0)
+                sync = max(0.0, step.backward.elapsed_time(step.synced) / 1000.0)
+                times.sync_wait_s += sync
+                self.total_sync_wait_s += sync
 
     def take(self) -> StepTimes:
         """The completed steps' sums since the last call (no sync: unfinished steps wait)."""

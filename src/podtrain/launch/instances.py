@@ -1,4 +1,5 @@
-"""Instance-type presets for the cluster launchers: GPUs, EFA devices, GPUDirect RDMA.
+"""Instance-type presets: GPUs, EFA devices and GPUDirect RDMA for the launchers; GPU model, memory,
+collective bandwidth and price for ``podtrain plan``.
 
 ``--instance-type p5.48xlarge`` fills what users otherwise get wrong: how many GPUs a node has, how
 many EFA interfaces to request on Kubernetes (without them NCCL silently falls back to TCP
@@ -28,6 +29,11 @@ class InstanceType:
         gpu: the GPU model, for messages.
         efa: EFA interfaces (the count of ``vpc.amazonaws.com/efa`` a pod requests); 0 = none.
         gpudirect_rdma: whether EFA can read/write GPU memory directly (FI_EFA_USE_DEVICE_RDMA).
+        gpu_model: the exact key of the GPU in ``podtrain.observe.hardware.PEAK_FLOPS``.
+        gpu_memory_gib: memory of one GPU (GiB as the driver reports it, rounded down).
+        network_gbps: the node's inter-node network in Gbit/s (EFA, or ENA where there is no EFA).
+        intra_busbw_gbps: AllReduce bus bandwidth (GB/s) among the node's GPUs, nccl-tests
+            convention, at large messages: NVLink/NVSwitch where present, else PCIe.
     """
 
     name: str
@@ -35,6 +41,18 @@ class InstanceType:
     gpu: str
     efa: int
     gpudirect_rdma: bool
+    gpu_model: str = ""
+    gpu_memory_gib: float = 0.0
+    network_gbps: float = 0.0
+    intra_busbw_gbps: float = 0.0
+
+    @property
+    def inter_busbw_gbps(self) -> float:
+        """AllReduce bus bandwidth (GB/s) across nodes: a ring across nodes runs one channel per
+        NIC, so its bus bandwidth is the node's network bandwidth (bits to bytes), capped by the
+        bandwidth inside the node (a one-GPU node has no inside)."""
+        network = self.network_gbps / 8.0
+        return min(network, self.intra_busbw_gbps) if self.intra_busbw_gbps else network
 
     def fabric_env(self) -> dict[str, str]:
         """libfabric variables for NCCL over EFA on this instance; empty when it has no EFA."""
@@ -49,18 +67,36 @@ class InstanceType:
         }
 
 
+# Intra-node AllReduce busbw: 8-GPU nccl-tests figures at >= 1 GB messages (NVIDIA's and AWS's
+# published runs): A100 NVSwitch (NVLink 3, 600 GB/s per GPU) ~230 GB/s, H100/H200 NVSwitch
+# (NVLink 4, 900 GB/s) ~480 GB/s with NVLS, B200 (NVLink 5, 1.8 TB/s) ~800 GB/s; PCIe Gen4 boxes
+# without NVLink (A10G, L4, L40S) ~12-20 GB/s.
 INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
-    InstanceType("p4d.24xlarge", 8, "A100 40GB", 4, True),
-    InstanceType("p4de.24xlarge", 8, "A100 80GB", 4, True),
-    InstanceType("p5.48xlarge", 8, "H100 80GB", 32, True),
-    InstanceType("p5e.48xlarge", 8, "H200 141GB", 32, True),
-    InstanceType("p5en.48xlarge", 8, "H200 141GB", 16, True),
+    InstanceType("p4d.24xlarge", 8, "A100 40GB", 4, True, "A100 40GB", 40, 400, 230),
+    InstanceType("p4de.24xlarge", 8, "A100 80GB", 4, True, "A100 80GB", 80, 400, 230),
+    InstanceType("p5.48xlarge", 8, "H100 80GB", 32, True, "H100 SXM", 80, 3200, 480),
+    InstanceType("p5e.48xlarge", 8, "H200 141GB", 32, True, "H200", 141, 3200, 480),
+    InstanceType("p5en.48xlarge", 8, "H200 141GB", 16, True, "H200", 141, 3200, 480),
+    InstanceType("p6-b200.48xlarge", 8, "B200 180GB", 8, True, "B200", 179, 3200, 800),
     # g5: one EFA interface from 8xlarge up, and no GPUDirect RDMA on the A10G.
-    InstanceType("g5.8xlarge", 1, "A10G 24GB", 1, False),
-    InstanceType("g5.12xlarge", 4, "A10G 24GB", 1, False),
-    InstanceType("g5.24xlarge", 4, "A10G 24GB", 1, False),
-    InstanceType("g5.48xlarge", 8, "A10G 24GB", 1, False),
+    InstanceType("g5.8xlarge", 1, "A10G 24GB", 1, False, "A10G", 22, 25, 0),
+    InstanceType("g5.12xlarge", 4, "A10G 24GB", 1, False, "A10G", 22, 40, 12),
+    InstanceType("g5.24xlarge", 4, "A10G 24GB", 1, False, "A10G", 22, 50, 12),
+    InstanceType("g5.48xlarge", 8, "A10G 24GB", 1, False, "A10G", 22, 100, 12),
+    InstanceType("g6.48xlarge", 8, "L4 24GB", 1, False, "L4", 22, 100, 12),
+    InstanceType("g6e.48xlarge", 8, "L40S 48GB", 4, False, "L40S", 44, 400, 20),
 )}
+
+# On-demand USD per instance-hour, Linux, us-east-1, from https://aws.amazon.com/ec2/pricing/on-demand/
+# as recorded in May 2025 (before AWS's June 2025 P4/P5 price reductions of up to 45%: check the page
+# before booking). Types without a recorded price plan without a cost unless --price-per-hour is given.
+PRICES_DATE = "2025-05"
+PRICES_SOURCE = "aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux)"
+ON_DEMAND_USD_PER_HOUR: dict[str, float] = {
+    "p4d.24xlarge": 32.77, "p4de.24xlarge": 40.97, "p5.48xlarge": 98.32,
+    "g5.8xlarge": 2.448, "g5.12xlarge": 5.672, "g5.24xlarge": 8.144, "g5.48xlarge": 16.288,
+    "g6.48xlarge": 13.35, "g6e.48xlarge": 30.13,
+}
 
 
 def lookup(name: str) -> InstanceType:

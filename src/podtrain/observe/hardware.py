@@ -1,15 +1,16 @@
 """What the hardware can do: peak FLOP/s for MFU, a matmul timer, and memory (peak and total).
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s per device / peak FLOP/s per device, with
-FLOPs per token from ``podtrain.model.model_size`` (6 x matmul params + 12 x layers x hidden x
-seq_len). The peak comes from ``log.peak_flops`` when set; else from a dtype-aware table of GPUs
-(dense, no sparsity); on CPU it is measured once at start-up with an fp32 matmul on the rank's own
+FLOPs per token from ``podtrain.model.model_size`` (6 x matmul params + 12 x layers x heads x
+head_dim x seq_len). The peak comes from ``log.peak_flops`` when set; else from an exact table of
+GPU models by precision (dense, no sparsity); on CPU it is measured once at start-up with an fp32 matmul on the rank's own
 threads. When none applies, MFU is null rather than a guess.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 
@@ -17,24 +18,45 @@ import torch
 
 from podtrain.distributed.group import accelerator_memory_bytes, accelerator_name, peak_allocated_bytes
 
-# Dense peak FLOP/s per device by (name fragment, precision). fp32 means plain FP32 (no TF32).
+# Dense (no sparsity) peak FLOP/s per device by (GPU model, precision), from NVIDIA's datasheets;
+# fp32 means plain FP32 (no TF32). Keys are exact models: "L4" and "L40S" differ 3x, and an H100
+# PCIe (114 SMs, 350 W) or NVL (400 W) is slower than the SXM part.
+_DATASHEET = (  # (model, bf16 = fp16 dense tensor-core FLOP/s, fp32 FLOP/s)
+    ("B200", 2.25e15, 80e12),
+    ("H200", 989e12, 67e12), ("H200 NVL", 835e12, 60e12),
+    ("H100 SXM", 989e12, 67e12), ("H100 NVL", 835e12, 60e12), ("H100 PCIe", 756e12, 51e12),
+    ("A100 80GB", 312e12, 19.5e12), ("A100 40GB", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12), ("L4", 121e12, 30.3e12), ("A10G", 70e12, 31.2e12),
+)
 PEAK_FLOPS: dict[tuple[str, str], float] = {
-    ("B200", "bf16"): 2.25e15, ("B200", "fp16"): 2.25e15, ("B200", "fp32"): 80e12,
-    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
-    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,
-    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
-    ("L40S", "bf16"): 362e12, ("L40S", "fp16"): 362e12, ("L40S", "fp32"): 91.6e12,
-    ("L4", "bf16"): 121e12, ("L4", "fp16"): 121e12, ("L4", "fp32"): 30.3e12,
-    ("A10G", "bf16"): 70e12, ("A10G", "fp16"): 70e12, ("A10G", "fp32"): 31.2e12,
+    (model, precision): fp32 if precision == "fp32" else half
+    for model, half, fp32 in _DATASHEET for precision in ("bf16", "fp16", "fp32")
 }
+
+def gpu_model(device_name: str) -> str | None:
+    """The exact ``PEAK_FLOPS`` model of a device name as CUDA reports it, or None when unknown.
+
+    Names are split into words, never searched for fragments: "NVIDIA L40" is not an "L4", and
+    "NVIDIA H100 PCIe" / "NVIDIA H100 NVL" are told apart from the SXM part ("NVIDIA H100 80GB
+    HBM3"). A100s are told apart by their memory ("NVIDIA A100-SXM4-40GB", "A100 80GB PCIe").
+    """
+    words = [w for w in re.split(r"[\s\-_]+", device_name.upper()) if w and w not in ("NVIDIA", "TESLA")]
+    if not words:
+        return None
+    base, rest = words[0], set(words[1:])
+    if base == "H100":
+        return "H100 PCIe" if "PCIE" in rest else "H100 NVL" if "NVL" in rest else "H100 SXM"
+    if base == "H200":
+        return "H200 NVL" if "NVL" in rest else "H200"
+    if base == "A100":
+        return "A100 80GB" if "80GB" in rest else "A100 40GB"
+    return base if base in ("B200", "L40S", "L4", "A10G") else None
 
 
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:
-    """Table lookup by device name (e.g. "NVIDIA H100 80GB HBM3") and precision, or None."""
-    for (fragment, prec), flops in PEAK_FLOPS.items():
-        if fragment in device_name and prec == precision:
-            return flops
-    return None
+    """Dense peak FLOP/s of a device (e.g. "NVIDIA H100 80GB HBM3") at ``precision``, or None."""
+    model = gpu_model(device_name)
+    return PEAK_FLOPS.get((model, precision)) if model else None
 
 
 def best_matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, budget_s: float = 0.3,

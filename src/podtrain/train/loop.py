@@ -272,7 +272,7 @@ class Trainer:
         if self.step >= total:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", self.step, total)
-        interval = _Interval(time.perf_counter())
+        interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
         while self.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
@@ -294,7 +294,7 @@ class Trainer:
             last = self.step == total
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
-                interval = _Interval(time.perf_counter())
+                interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
             if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
                 interval.exclude(self._evaluate())
             if self.checkpointer.should_save(self.step, total):
@@ -335,6 +335,8 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": per_device_flops / self.peak if self.peak else None,
             "step_time_s": elapsed / max(1, steps), "data_wait_s": interval.wait / max(1, steps),
+            # The step clock's sync wait over the interval (on a GPU, of the steps completed so far).
+            "sync_wait_s": (self.stepper.clock.total_sync_wait_s - interval.sync_start) / max(1, steps),
             "max_mem_bytes": max_memory_bytes(self.ctx.device), "world_size": self.ctx.world_size,
             "tokens_seen": self.tokens_seen, "epoch": self.loader.epoch, "run_id": self.run_id,
             "time": time.time(),
@@ -362,7 +364,7 @@ class Trainer:
                        self.cfg.eval.max_batches, self.precision)
         self.result.val_loss = val
         record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
-                  "run_id": self.run_id, "time": time.time()}
+                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time()}
         self.metrics.write(record)
         self.progress.note(f"step {self.step}: validation loss {val:.4f}")
         return time.perf_counter() - t0
@@ -376,7 +378,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
                                self.train_state())
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.metrics.write({"kind": "save", "step": self.step, "save_s": seconds, "time": time.time()})
+        return seconds
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
@@ -438,6 +442,7 @@ class _Interval:
     start: float
     steps: int = 0
     wait: float = 0.0
+    sync_start: float = 0.0
     excluded: float = 0.0
 
     def add(self, wait_s: float) -> None:

@@ -1,0 +1,166 @@
+"""The machine a plan is for: an instance type from the preset table, or this host measured.
+
+A ``Machine`` holds what the step-time model needs per device (memory, peak FLOP/s, the share of it
+a training step achieves, memory bandwidth for the optimizer) and per job (collective bandwidth
+inside a node and across nodes, price per node-hour). ``--busbw-json`` replaces the bandwidths
+with a ``podtrain bench collectives --json`` measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from podtrain.distributed.env import omp_num_threads, threads_per_rank
+from podtrain.errors import UserError
+from podtrain.launch import instances
+from podtrain.observe.hardware import PEAK_FLOPS, best_matmul_seconds, device_memory_bytes
+
+# Share of the dense peak a well-tuned dense-transformer training step sustains on a GPU in
+# bf16/fp16 (its MFU): torchtitan reports 33-39% for Llama 3.1 8B with FSDP on 8 x H100, Megatron-LM
+# 40-47% on H100, llm.c up to ~60% on A100. 0.40 is the middle of published figures; --efficiency
+# overrides it. In fp32 (no tensor-core bf16) GPUs reach a larger share of their smaller fp32 peak.
+GPU_EFFICIENCY = {"bf16": 0.40, "fp16": 0.40, "fp32": 0.60}
+# On a CPU the peak is this host's own fp32 matmul rate (the loop's MFU peak); a transformer step
+# adds norms, softmax, elementwise ops and small matmuls around it. podtrain's demo (tiny Llama,
+# 2 ranks) sustains 0.46-0.52 of that rate on a 2-core host: 0.5.
+CPU_EFFICIENCY = 0.5
+# Matmul size of the CPU measurement: the one the training loop's MFU peak uses.
+CPU_MATMUL_SIZE = 768
+# HBM bandwidth per GPU (bytes/s, datasheets): the optimizer step and clipping are memory-bound.
+GPU_MEMORY_BANDWIDTH = {
+    "B200": 8.0e12, "H200": 4.8e12, "H200 NVL": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12,
+    "H100 PCIe": 2.0e12, "A100 80GB": 2.04e12, "A100 40GB": 1.56e12, "L40S": 0.864e12,
+    "L4": 0.3e12, "A10G": 0.6e12,
+}
+# gloo over loopback between ranks of one host when no --busbw-json is given (AllReduce busbw of
+# `podtrain bench collectives` at >= 4 MiB on a 2-core CI host; measure yours with --busbw-json).
+LOCAL_BUSBW_GBPS = 1.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Per-device and per-job capabilities the plan uses.
+
+    Attributes:
+        name: instance type, or ``local``.
+        devices_per_node: GPUs (or ranks, for local) per node.
+        device_memory_bytes: memory one rank may use.
+        peak_flops: dense peak FLOP/s of one device at the plan's precision.
+        efficiency: share of the peak a training step sustains.
+        memory_bandwidth: bytes/s of one device's memory (optimizer step, host copies).
+        intra_busbw_gbps: AllReduce busbw among the ranks of one node (GB/s).
+        inter_busbw_gbps: AllReduce busbw across nodes (GB/s).
+        price_per_node_hour: USD, or None when unknown.
+        is_gpu: whether activations are in the 16-bit compute dtype and CUDA reserves memory.
+        busbw_source: where the bandwidths come from, for the output.
+        busbw_table: (bytes, busbw) pairs measured by ``bench collectives`` (empty: a constant).
+    """
+
+    name: str
+    devices_per_node: int
+    device_memory_bytes: int
+    peak_flops: float
+    efficiency: float
+    memory_bandwidth: float
+    intra_busbw_gbps: float
+    inter_busbw_gbps: float
+    price_per_node_hour: float | None
+    is_gpu: bool
+    busbw_source: str
+    busbw_table: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s one device sustains in a training step: peak x efficiency."""
+        return self.peak_flops * self.efficiency
+
+    def busbw_gbps(self, nodes: int, nbytes: int) -> float:
+        """AllReduce busbw for a message of ``nbytes`` among ``nodes`` nodes' ranks: the measured
+        table at the nearest size not above it when given, else the preset's figure."""
+        if self.busbw_table:
+            fitting = [bw for size, bw in self.busbw_table if size <= nbytes]
+            return fitting[-1] if fitting else self.busbw_table[0][1]
+        return self.intra_busbw_gbps if nodes <= 1 else self.inter_busbw_gbps
+
+
+def resolve_precision(precision: str, is_gpu: bool) -> str:
+    """The run's precision without a device: ``auto`` is bf16 on GPU, fp32 on CPU (as training)."""
+    if precision == "auto":
+        return "bf16" if is_gpu else "fp32"
+    return precision
+
+
+def instance_machine(name: str, precision: str, efficiency: float | None,
+                     price: float | None) -> Machine:
+    """A ``Machine`` from the instance-type table; UserError names an unknown type."""
+    inst = instances.lookup(name)
+    prec = resolve_precision(precision, True)
+    peak = PEAK_FLOPS.get((inst.gpu_model, prec))
+    if peak is None:  # the table and PEAK_FLOPS are kept in step by a test
+        raise UserError(f"--instance-type {name}: no peak FLOP/s for {inst.gpu_model} in {prec}")
+    intra = inst.intra_busbw_gbps or inst.inter_busbw_gbps
+    return Machine(
+        name=inst.name, devices_per_node=inst.gpus,
+        device_memory_bytes=int(inst.gpu_memory_gib * 2**30), peak_flops=peak,
+        efficiency=efficiency or GPU_EFFICIENCY[prec],
+        memory_bandwidth=GPU_MEMORY_BANDWIDTH[inst.gpu_model],
+        intra_busbw_gbps=intra, inter_busbw_gbps=inst.inter_busbw_gbps,
+        price_per_node_hour=price if price is not None else instances.ON_DEMAND_USD_PER_HOUR.get(inst.name),
+        is_gpu=True, busbw_source=f"{inst.name} preset (NVLink/PCIe inside, {inst.network_gbps:g} Gbps "
+                                  "network across nodes)")
+
+
+def local_machine(ranks: int, efficiency: float | None, price: float | None) -> Machine:
+    """This host measured, as ``ranks`` CPU ranks would see it: each rank's share of the cores runs
+    the same fp32 matmul as the training loop's MFU peak, and a memory copy gives the bandwidth."""
+    threads = omp_num_threads() or threads_per_rank(ranks)  # what each training rank will use
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        size = CPU_MATMUL_SIZE
+        peak = 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32)
+        bandwidth = _copy_bandwidth()
+    finally:
+        torch.set_num_threads(previous)
+    memory = device_memory_bytes(torch.device("cpu"), ranks) or 0
+    return Machine(name="local", devices_per_node=ranks, device_memory_bytes=memory, peak_flops=peak,
+                   efficiency=efficiency or CPU_EFFICIENCY, memory_bandwidth=bandwidth,
+                   intra_busbw_gbps=LOCAL_BUSBW_GBPS, inter_busbw_gbps=LOCAL_BUSBW_GBPS,
+                   price_per_node_hour=price, is_gpu=False,
+                   busbw_source=f"assumed gloo loopback {LOCAL_BUSBW_GBPS:g} GB/s (--busbw-json to measure)")
+
+
+def _copy_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes/s of a large tensor copy (read + write counted) on this process's threads."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def with_busbw_json(machine: Machine, path: str) -> Machine:
+    """``machine`` with AllReduce busbw by message size from a ``bench collectives --json`` file."""
+    file = Path(path)
+    try:
+        lines = file.read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--busbw-json {path}: cannot read it ({exc})") from None
+    table = sorted((int(r["bytes"]), float(r["busbw_gbps"])) for r in records
+                   if isinstance(r, dict) and r.get("op") == "all_reduce" and r.get("busbw_gbps"))
+    if not table:
+        raise UserError(f"--busbw-json {path}: no all_reduce records with busbw_gbps (write it with "
+                        "`podtrain bench collectives --ops all_reduce --json FILE`)")
+    return replace(machine, busbw_table=tuple(table),
+                   busbw_source=f"measured: {file.name}, all_reduce {table[0][1]:.2f}-{table[-1][1]:.2f} GB/s")

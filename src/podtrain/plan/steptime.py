@@ -1,0 +1,164 @@
+"""Step time from first principles: compute, gradient communication, optimizer, data, saves, eval.
+
+* compute: training FLOPs of the rank's tokens / (peak x efficiency); activation checkpointing
+  recomputes the forward (x 4/3).
+* gradient communication, ring model (nccl-tests' bus bandwidth): an AllReduce of B bytes on n
+  ranks takes 2(n-1)/n x B / busbw; an AllGather or ReduceScatter (n-1)/n x B / busbw. DDP
+  all-reduces fp32 gradients bucket by bucket while the last micro-batch's backward continues, so
+  only what does not fit behind that backward is exposed: max(one bucket, total - backward x
+  (buckets-1)/buckets). FSDP gathers each block's 16-bit weights in forward and backward and
+  reduce-scatters fp32 gradients, overlapped block by block with compute; HSDP does that inside a
+  node and all-reduces the node's shard across nodes.
+* latency: every collective also pays ~2 x log2(n) network hops of COLLECTIVE_HOP_S (NCCL
+  switches from rings to trees and pipelines at scale, so the hop count grows like a tree's
+  depth); at hundreds of nodes this, not bandwidth, is what outgrows the compute of small models.
+* optimizer: AdamW and clipping are memory-bound, ~32 bytes moved per local parameter.
+* data: the loader builds batches ahead; only a build slower than the step is waited for.
+* saves and evaluation: amortised over the steps between them (the loop's step_time_s excludes
+  them; they are shown apart).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from podtrain.diagnostics.busbw import bus_factor
+from podtrain.plan.memory import GRAD_BYTES, WEIGHT_BYTES, ModelShape
+
+OPTIMIZER_BYTES_PER_PARAM = 32
+# Seconds per network hop of a collective (EFA/InfiniBand message latency is ~10-20 us).
+COLLECTIVE_HOP_S = 15e-6
+# Pinned device-to-host copy rate of a checkpoint's host staging on a GPU (PCIe Gen4/5 x16).
+GPU_HOST_COPY_BYTES_PER_S = 25e9
+# Disk write rate for synchronous checkpoints (bytes/s): a shared file system such as FSx for
+# Lustre per client; async saves only pay the host copy.
+DISK_WRITE_BYTES_PER_S = 1e9
+# Bytes per token in the shards (uint16 for vocabularies up to 65,536).
+TOKEN_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step asks of each rank (from the run config and the job size)."""
+
+    micro_batch: int
+    accum: int
+    seq_len: int
+    bucket_bytes: int
+    dtype_bytes: int
+    checkpointing: bool
+    ckpt_every: int
+    async_save: bool
+    eval_every: int
+    eval_batches: int
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one rank trains on per optimizer step."""
+        return self.micro_batch * self.accum * self.seq_len
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by component."""
+
+    compute_s: float
+    """Forward + backward of every micro-batch (with recomputation when checkpointing)."""
+    optimizer_s: float
+    """AdamW step and gradient clipping."""
+    comm_s: float
+    """All gradient/weight communication of the step."""
+    sync_wait_s: float
+    """The part of ``comm_s`` not hidden behind compute (what the loop measures as sync wait)."""
+    data_wait_s: float
+    """Waiting for the next batch."""
+    save_s: float
+    """Checkpoint stall amortised per step."""
+    eval_s: float
+    """Evaluation amortised per step."""
+
+    @property
+    def step_s(self) -> float:
+        """What the loop's ``step_time_s`` measures: all but saves and evaluation."""
+        return self.compute_s + self.optimizer_s + self.sync_wait_s + self.data_wait_s
+
+    @property
+    def wall_s(self) -> float:
+        """Wall time per step including amortised saves and evaluation."""
+        return self.step_s + self.save_s + self.eval_s
+
+    def as_dict(self) -> dict[str, float]:
+        """The components and both totals, for JSON."""
+        return {**asdict(self), "step_s": self.step_s, "wall_s": self.wall_s}
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
+    """Seconds of an AllReduce of ``nbytes`` over ``ranks`` at bus bandwidth ``busbw_gbps``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return bus_factor("all_reduce", ranks) * nbytes / (busbw_gbps * 1e9)
+
+
+def ring_gather_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
+    """Seconds of an AllGather (or ReduceScatter) whose full result is ``nbytes``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return bus_factor("all_gather", ranks) * nbytes / (busbw_gbps * 1e9)
+
+
+def latency_s(collectives: float, ranks: int) -> float:
+    """Hop latency of ``collectives`` collectives among ``ranks`` ranks: 2 x log2(ranks) hops each."""
+    return 0.0 if ranks <= 1 else collectives * 2 * math.log2(ranks) * COLLECTIVE_HOP_S
+
+
+def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
+    """Communication left after overlapping ``pieces`` equal pieces with ``hiding_s`` of compute:
+    the last piece always waits; the rest hide behind the compute that produces later pieces."""
+    if comm_s <= 0:
+        return 0.0
+    pieces = max(1, pieces)
+    return max(comm_s / pieces, comm_s - hiding_s * (pieces - 1) / pieces)
+
+
+def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, world: int, nodes: int,
+              devices_per_node: int, sustained_flops: float, memory_bandwidth: float,
+              busbw, gpu: bool) -> StepTime:
+    """Seconds per step of ``work`` under ``strategy``; ``busbw(nodes, nbytes)`` gives GB/s."""
+    flops = shape.flops_per_token * work.tokens_per_rank * (4 / 3 if work.checkpointing else 1)
+    compute = flops / sustained_flops
+    micro_compute = compute / work.accum
+    backward = micro_compute * 2 / 3
+    grad_bytes = GRAD_BYTES * shape.params
+    if strategy == "ddp":
+        message = min(work.bucket_bytes, grad_bytes)
+        buckets = -(-grad_bytes // max(1, work.bucket_bytes))
+        comm = ring_allreduce_s(grad_bytes, world, busbw(nodes, message)) + latency_s(buckets, world)
+        wait = exposed_s(comm, backward, buckets)
+    else:
+        group = world if strategy == "fsdp" else min(world, devices_per_node)
+        group_nodes = nodes if strategy == "fsdp" else 1
+        layer_bytes = shape.layer_params * work.dtype_bytes
+        gather = (2 * ring_gather_s(layer_bytes, group, busbw(group_nodes, layer_bytes)) * shape.layers
+                  + latency_s(2 * shape.layers, group))
+        scatter = (ring_gather_s(grad_bytes, group, busbw(group_nodes, GRAD_BYTES * shape.layer_params))
+                   + latency_s(shape.layers, group))
+        across = 0.0
+        if strategy == "hsdp" and nodes > 1:
+            shard_bytes = grad_bytes / group
+            across = ring_allreduce_s(shard_bytes, nodes, busbw(nodes, shard_bytes)) + latency_s(1, nodes)
+        comm = gather * work.accum + scatter + across
+        per_micro = exposed_s(gather, micro_compute, shape.layers)
+        wait = per_micro * work.accum + exposed_s(scatter + across, backward, shape.layers)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * shape.params / shards / memory_bandwidth
+    build = work.tokens_per_rank * TOKEN_BYTES / memory_bandwidth
+    data = max(0.0, build - (compute + optimizer))
+    state = (WEIGHT_BYTES + 8) * shape.params / shards
+    copy = state / (GPU_HOST_COPY_BYTES_PER_S if gpu else memory_bandwidth)
+    save = copy if work.async_save else copy + state / DISK_WRITE_BYTES_PER_S
+    forward_token_s = shape.flops_per_token / 3 / sustained_flops
+    eval_total = work.eval_batches * work.micro_batch * work.seq_len * forward_token_s
+    return StepTime(
+        compute_s=compute, optimizer_s=optimizer, comm_s=comm, sync_wait_s=wait, data_wait_s=data,
+        save_s=save / work.ckpt_every if work.ckpt_every else 0.0,
+        eval_s=eval_total / work.eval_every if work.eval_every else 0.0)
