@@ -34,9 +34,11 @@ from podtrain.distributed.recorder import register_recording_hook
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.launch import exit_report
-from podtrain.metrics import MetricsWriter, Progress, max_memory_bytes, peak_flops, setup_logging
 from podtrain.model import build_model, model_size
-from podtrain.monitor import StragglerMonitor
+from podtrain.observe.console import Progress, setup_logging
+from podtrain.observe.hardware import max_memory_bytes, peak_flops
+from podtrain.observe.metrics import MetricsWriter
+from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.optim import build_optimizer, lr_at, set_lr
 from podtrain.train.precision import resolve_precision
