@@ -4,6 +4,7 @@ Real torchrun, real gloo ranks. A Ctrl-C is simulated as a terminal delivers it:
 whole foreground process group of a `launch local` started in its own session.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +71,9 @@ def test_ctrl_c_saves_says_one_line_and_exits_130_then_a_user_error_is_one_line_
     step = latest_step(run_dir)
     assert 3 <= step < 2000
     assert (run_dir / "ckpt" / layout.step_name(step) / layout.MANIFEST).is_file()
+    state = json.loads((run_dir / "ckpt" / layout.step_name(step) / layout.STATE_JSON).read_text())
+    manifest = json.loads((datasets / "byte" / "manifest.json").read_text())
+    assert state["train_state"]["tokenizer_sha256"] == manifest["tokenizer"]["sha256"]
     assert "Traceback" not in out + err and "ChildFailedError" not in out + err, err[-3000:]
     own = [line for line in err.splitlines() if line.startswith("podtrain:")]
     assert own == [f"podtrain: stopped by SIGINT at step {step}, checkpoint {layout.step_name(step)} "

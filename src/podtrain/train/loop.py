@@ -371,7 +371,8 @@ class Trainer:
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "run_id": self.run_id, "config": to_dict(self.cfg)}
+                "run_id": self.run_id, "config": to_dict(self.cfg),
+                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256")}
 
     def _save(self) -> float:
         t0 = time.perf_counter()
