@@ -177,3 +177,48 @@ def test_memory_short_on_one_rank_stops_every_rank(capfd, monkeypatch):
 def test_one_process_is_a_user_error(capsys):
     assert cli_main(["bench", "collectives", "--max-bytes", "4K"]) == 2
     assert "needs at least 2 ranks" in capsys.readouterr().err
+
+
+def _stream(rank, world, json_path):
+    """Rank 0 streams through RecordStream; each call checks what is on disk at that moment."""
+    import time
+
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.distributed.group import process_group
+
+    opts = C.BenchOptions(ops=["all_reduce", "broadcast"], sizes=[1024, 8192], iters=2, warmup=0)
+    seen = []
+    with process_group(ClusterEnv.detect(), "gloo") as ctx:
+        stream = C.RecordStream("title", json_path) if rank == 0 else None
+
+        def on_record(record, done, total):
+            if stream is not None:
+                stream(record, done, total)
+                on_disk = len(open(json_path).read().splitlines())
+                seen.append((done, total, on_disk, time.monotonic()))
+
+        records = C.run_benchmark(ctx, opts, on_record=on_record)
+        if stream is not None:
+            stream.close()
+    return seen, time.monotonic(), len(records)
+
+
+def test_rows_and_json_lines_stream_as_measured(tmp_path, capfd):
+    out = tmp_path / "bench.jsonl"
+    (seen, finished, n), _ = run_ranks(_stream, 2, str(out))
+    assert n == 4 and [(d, t, disk) for d, t, disk, _ in seen] == [(k, 4, k) for k in range(1, 5)]
+    assert seen[0][3] < finished  # the first line was on disk before the benchmark ended
+    rows = [line for line in capfd.readouterr().out.splitlines() if "/4  " in line]
+    assert [row.split()[0] for row in rows] == ["1/4", "2/4", "3/4", "4/4"]
+    assert rows[0].split()[1:4] == ["all_reduce", "world", "1K"]
+
+
+def test_default_largest_message_follows_the_backend():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_arguments(parser)
+    args = parser.parse_args([])
+    assert C.options_from_args(args, "gloo").sizes[-1] == 16 << 20
+    assert C.options_from_args(args, "nccl").sizes[-1] == 1 << 30
+    assert C.options_from_args(parser.parse_args(["--max-bytes", "2M"]), "gloo").sizes[-1] == 2 << 20

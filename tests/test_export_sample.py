@@ -45,12 +45,16 @@ def bpe_data(root: Path) -> Path:
 
 def byte_data(root: Path) -> Path:
     root.mkdir(parents=True)
-    _manifest(root, {"kind": "byte", "name": "byte", "vocab_size": 257, "eos_id": 256, "files": []})
+    from podtrain.data.tokenizer import BYTE_IDENTITY_SHA256
+
+    _manifest(root, {"kind": "byte", "name": "byte", "vocab_size": 257, "eos_id": 256, "files": [],
+                     "sha256": BYTE_IDENTITY_SHA256})
     return root
 
 
-def make_run(run_dir: Path, data: Path, vocab: int):
-    """A run directory with one checkpoint of a tiny model after a few training steps."""
+def make_run(run_dir: Path, data: Path, vocab: int, tokenizer_sha256: str | None = None):
+    """A run directory with one checkpoint of a tiny model after a few training steps, trained
+    (as its train state records) with the tokenizer of hash ``tokenizer_sha256``."""
     model = build_model(preset_config("tiny", vocab), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
@@ -63,7 +67,8 @@ def make_run(run_dir: Path, data: Path, vocab: int):
     ck = Checkpointer(run_dir, CkptSection(), ctx)
     ck.save(3, model, opt, None, {"step": 3, "tokens_seen": 0, "loader": {"epoch": 0, "consumed": 6},
                                   "run_id": "r", "config": {"data": {"path": str(data)},
-                                                            "model": {"preset": "tiny"}}})
+                                                            "model": {"preset": "tiny"}},
+                                  "tokenizer_sha256": tokenizer_sha256})
     ck.close()
     return model.eval()
 
@@ -97,7 +102,16 @@ def test_export_of_a_byte_run_and_its_user_errors(tmp_path, capsys):
     make_run(tmp_path / "run", byte_data(tmp_path / "data"), vocab=320)
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "run"), str(out)]) == 0
-    assert not (out / "tokenizer.json").exists()
+    from transformers import AutoTokenizer
+
+    from podtrain.data.tokenizer import ByteTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(out))  # a byte-level export ships a tokenizer too
+    text = "def héllo():\n    return '✓ ünïcode'\n"
+    assert hf.encode(text, add_special_tokens=False) == ByteTokenizer().encode(text) == list(text.encode())
+    assert hf.decode(hf.encode(text, add_special_tokens=False)) == text
+    assert hf.eos_token_id == 256 and hf.convert_ids_to_tokens(256) == "<|endoftext|>"
+    assert json.loads((out / "generation_config.json").read_text())["use_cache"] is True
     assert json.loads((out / "podtrain_export.json").read_text())["tokenizer"]["eos_id"] == 256
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == 256  # not the preset's BOS id 1
@@ -144,3 +158,36 @@ def test_sample_user_errors(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "does not exist" in err[0] and "tokenizer not found" in err[1]
+
+
+def test_sample_and_export_refuse_a_tokenizer_the_run_was_not_trained_with(tmp_path, capsys):
+    bpe = bpe_data(tmp_path / "bpe")
+    bpe_sha = json.loads((bpe / "manifest.json").read_text())["tokenizer"]["sha256"]
+    make_run(tmp_path / "run", bpe, vocab=320, tokenizer_sha256=bpe_sha)
+    byte = byte_data(tmp_path / "byte")
+    assert main(["sample", str(tmp_path / "run"), "--max-new-tokens", "4"]) == 0  # its own data
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--data", str(byte)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer mismatch" in err[0] and bpe_sha[:12] in err[0] and "'byte'" in err[0]
+    # The run's data directory replaced by data of another tokenizer: export refuses too.
+    (tmp_path / "bpe").rename(tmp_path / "bpe-old")
+    (tmp_path / "byte").rename(tmp_path / "bpe")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer mismatch" in err[0] and not (tmp_path / "hf").exists()
+
+
+def test_prepare_refuses_to_overwrite_data_of_another_tokenizer_unless_forced(tmp_path, capsys):
+    out = tmp_path / "data"
+    small = ["--builtin-bytes", "200000", "--val-fraction", "0", "--no-progress"]
+    assert main(["prepare", "builtin", "--out", str(out), *small]) == 0
+    before = (out / "manifest.json").read_text()
+    capsys.readouterr()
+    assert main(["prepare", "builtin", "--out", str(out), "--tokenizer", "bpe:300", *small]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'byte'" in err[0] and "'bpe:300'" in err[0] and "--force" in err[0]
+    assert (out / "manifest.json").read_text() == before  # untouched
+    assert main(["prepare", "builtin", "--out", str(out), *small]) == 0  # same tokenizer: fine
+    assert main(["prepare", "builtin", "--out", str(out), "--tokenizer", "bpe:300", "--force", *small]) == 0
+    assert json.loads((out / "manifest.json").read_text())["tokenizer"]["name"] == "bpe:300"

@@ -22,15 +22,13 @@ from podtrain.launch import k8s
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
-CRD = REPO.parent / "shared" / "specs" / "kubeflow.org_pytorchjobs.yaml"
+CRD = k8s.CRD_FILE  # shipped in the package: these tests need nothing outside the repository
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/podtrain:0.1.0"
 
 
 @pytest.fixture(scope="module")
 def crd_schema():
-    """The PyTorchJob CRD's openAPIV3Schema (skips when the spec file is absent)."""
-    if not CRD.is_file():
-        pytest.skip(f"PyTorchJob CRD not found at {CRD} (../shared/specs)")
+    """The PyTorchJob CRD's openAPIV3Schema, from the copy inside the package."""
     return k8s.crd_schema(CRD)
 
 
@@ -225,3 +223,26 @@ def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["world_size"] == 2 for r in records)
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_generation_validates_against_the_shipped_crd_and_prints_the_path_mapping(tmp_path, monkeypatch,
+                                                                                   capsys):
+    # The CRD inside the package, with its source header, is what `launch k8s` validates against.
+    assert CRD.is_relative_to(Path(k8s.__file__).parent) and "Apache License 2.0" in CRD.read_text()[:600]
+    generate(tmp_path, "--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx",
+             overrides=("run.dir=runs/x",))
+    err = capsys.readouterr().err
+    assert "podtrain: run.dir in the pods: runs/x -> /fsx/runs/x (on claim fsx mounted at /fsx)" in err
+    assert "podtrain: data.path in the pods: data/builtin -> /fsx/data/builtin" in err
+    # A CRD that demands a field podtrain does not write: generation itself now fails.
+    strict = yaml.safe_load(CRD.read_text())
+    strict["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["required"] = \
+        ["notAField"]
+    tampered = tmp_path / "crd.yaml"
+    tampered.write_text(yaml.safe_dump(strict))
+    monkeypatch.setattr(k8s, "CRD_FILE", tampered)
+    with pytest.raises(ValueError, match="notAField"):
+        main(["launch", "k8s", DEMO, "--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE,
+              "--pvc", "fsx", "train.micro_batch_size=4", "train.global_batch_size=64",
+              "--output", str(tmp_path / "j.yaml")])
+    assert not (tmp_path / "j.yaml").exists()

@@ -280,3 +280,25 @@ def test_preemption_signal_is_noted_and_requeues(tmp_path, requeue):
         assert rc == "0" and requeued.read_text().split() == ["requeue", "4242"]
     else:
         assert rc == "1" and not requeued.exists() and "submit the script again" in stdout
+
+
+def test_without_submit_nothing_is_created_and_unshared_paths_are_warned_about(tmp_path, capsys):
+    run_dir = tmp_path / "run"  # under /tmp: node-local
+    assert main(["launch", "slurm", DEMO, "--nodes", "2", "--gpus-per-node", "8",
+                 "train.global_batch_size=64", "train.micro_batch_size=4", f"run.dir={run_dir}",
+                 "--venv", sys.prefix]) == 0
+    assert not run_dir.exists(), "a script written to stdout must leave no trace on this machine"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"podtrain: warning: run.dir {run_dir} is node-local storage: other nodes cannot see it",
+                   f"podtrain: warning: data.path data/builtin is relative: the job uses "
+                   f"{Path.cwd() / 'data/builtin'} on every node; is that on storage every node mounts?"]
+
+
+def test_shared_storage_warnings_name_home_directories_and_accept_shared_paths(tmp_path):
+    from podtrain.launch.jobspec import shared_storage_warnings
+
+    cfg = load_config(DEMO, ["run.dir=/fsx/runs/a", "data.path=/home/me/data"])
+    (line,) = shared_storage_warnings(cfg, tmp_path, home=Path("/home/me"))
+    assert line.startswith("data.path /home/me/data is in a home directory")
+    cfg = load_config(DEMO, ["run.dir=/fsx/runs/a", "data.path=/fsx/data"])
+    assert shared_storage_warnings(cfg, tmp_path, home=Path("/home/me")) == []

@@ -130,8 +130,9 @@ class CkptSection:
     """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks)."""
     resume: str = "auto"
     """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that trigger checkpoint-and-exit at the next step boundary."""
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    """Signals that trigger checkpoint-and-exit at the next step boundary (SIGINT: Ctrl-C, exit
+    130; the others exit 143)."""
     grace_s: float = 120.0
     """Seconds the scheduler allows between the signal and SIGKILL; the save time is logged
     against it."""

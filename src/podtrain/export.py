@@ -3,7 +3,9 @@
 The folder holds ``config.json``, ``model.safetensors`` and ``generation_config.json`` written by
 transformers' own ``save_pretrained`` (so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads
 it and gives the trained model's logits), the tokenizer files when the run's data directory has
-them (BPE or Hugging Face tokenizers; a byte-level run has none: ids are UTF-8 bytes, EOS 256), and
+them (BPE or Hugging Face tokenizers; for a byte-level run, a tokenizers ``tokenizer.json`` built here
+that maps ids 0-255 to the UTF-8 bytes and 256 to ``<|endoftext|>``, so ``AutoTokenizer`` loads
+every export), and
 ``podtrain_export.json`` naming the run, the step and the tokenizer. The folder is written under a
 temporary name and renamed into place, so a killed export never leaves a half folder.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain import __version__
-from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of
+from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
 from podtrain.errors import UserError
 from podtrain.fsutil import file_mode
 
@@ -49,7 +51,10 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
     run_config = run_config_of(run_dir, ckpt)
     model = build_model_from_checkpoint(ckpt, run_config)
     tokenizer = _tokenizer_identity(run_config)
+    if tokenizer["kind"] != "unknown":
+        check_tokenizer(ckpt, tokenizer, _data_dir(run_config))
     model.config.use_cache = True  # training turned the KV cache off; inference wants it
+    model.generation_config.use_cache = True
     eos = tokenizer.get("eos_id")
     if eos is not None:
         # Documents are packed as ...EOS doc EOS...: what precedes a document is EOS, so it is
@@ -101,7 +106,7 @@ def _tokenizer_identity(run_config: dict[str, Any]) -> dict[str, Any]:
     if manifest is None or not manifest.is_file():
         return {"kind": "unknown", "note": f"data directory {data} not found: no tokenizer exported"}
     ident = json.loads(manifest.read_text()).get("tokenizer", {})
-    return {k: ident.get(k) for k in ("kind", "name", "vocab_size", "eos_id", "files")}
+    return {k: ident.get(k) for k in ("kind", "name", "vocab_size", "eos_id", "files", "sha256")}
 
 
 def _copy_tokenizer(run_config: dict[str, Any], tokenizer: dict[str, Any], out: Path) -> list[str]:
@@ -109,6 +114,9 @@ def _copy_tokenizer(run_config: dict[str, Any], tokenizer: dict[str, Any], out: 
     data = _data_dir(run_config)
     files = tokenizer.get("files") or []
     copied = []
+    if tokenizer.get("kind") == "byte":
+        (out / "tokenizer.json").write_text(byte_level_tokenizer_json(int(tokenizer["eos_id"])))
+        copied.append("tokenizer.json")
     for rel in files:
         src = data / rel
         if not src.is_file():
@@ -130,3 +138,30 @@ def _write_tokenizer_config(out: Path, tokenizer: dict[str, Any]) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
               "add_bos_token": False, "add_eos_token": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+BYTE_EOS_TOKEN = "<|endoftext|>"
+"""The EOS token's text in a byte-level export's tokenizer."""
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what tokenizers' ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def byte_level_tokenizer_json(eos_id: int) -> str:
+    """A tokenizers ``tokenizer.json`` equal to podtrain's byte tokenizer: id b is byte b (no
+    merges, no prefix space), ``eos_id`` is ``<|endoftext|>``."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    chars = _byte_to_unicode()
+    tok = tokenizers.Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(BYTE_EOS_TOKEN, special=True)])
+    if tok.token_to_id(BYTE_EOS_TOKEN) != eos_id:
+        raise UserError(f"byte-level EOS id {eos_id} is not {tok.token_to_id(BYTE_EOS_TOKEN)}: cannot export its tokenizer")
+    return tok.to_str()

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the run's newest weights and tokenizer, generate, print the text."""
-    from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of
+    from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
+    from podtrain.data.manifest import read_manifest
     from podtrain.data.tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     if not (data / "manifest.json").is_file():
         raise UserError(f"tokenizer not found: {data} (the run's data.path) has no manifest.json; "
                         "pass --data DATA_DIR")
-    tokenizer = load_tokenizer(data)
+    manifest = read_manifest(data)
+    check_tokenizer(ckpt, manifest.raw["tokenizer"], data)
+    tokenizer = load_tokenizer(manifest)
     model = build_model_from_checkpoint(ckpt, run_config)
     text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                          args.top_k, args.seed)

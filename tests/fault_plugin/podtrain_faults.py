@@ -272,3 +272,23 @@ def _slow_step(args: dict[str, str], patch: Patch) -> None:
         return loss
 
     patch(step, "micro_batch_loss_sum", slowed)
+
+
+# -- checkpoints: a slow disk -----------------------------------------------------------------
+@fault("slow-save")
+def _slow_save(args: dict[str, str], patch: Patch) -> None:
+    """Every checkpoint write takes ``seconds`` longer (a slow shared file system): the sleep
+    runs inside the writer, before the manifest that makes the checkpoint complete."""
+    import time
+
+    from podtrain.ckpt import writer
+
+    seconds = float(args.get("seconds", 35))
+    original = writer.CheckpointWriter._write
+
+    def patched(self, job, *a, **kw):
+        log.warning("fault injection: checkpoint write of step %s sleeps %.0f s", job.step, seconds)
+        time.sleep(seconds)
+        return original(self, job, *a, **kw)
+
+    patch(writer.CheckpointWriter, "_write", patched)

@@ -131,3 +131,18 @@ def model_config_of(ckpt: CheckpointData, run_config: dict[str, Any]) -> Any:
                   or k.endswith("wte.weight")), None)
     vocab = int(embed.shape[0]) if embed is not None else None
     return preset_config(run_config.get("model", {}).get("preset", "tiny"), vocab)
+
+
+def check_tokenizer(ckpt: CheckpointData, identity: dict[str, Any], where: str | os.PathLike) -> None:
+    """A UserError when the tokenizer of the data at ``where`` (its manifest's ``identity``) is not
+    the one the checkpoint was trained with: the SHA-256 the checkpoint recorded (checkpoints
+    from before it was recorded: the vocabulary must at least fit the model)."""
+    recorded = (ckpt.state.get("train_state") or {}).get("tokenizer_sha256")
+    if recorded and identity.get("sha256") and recorded != identity["sha256"]:
+        raise UserError(f"tokenizer mismatch: {ckpt.path} was trained with tokenizer sha256 "
+                        f"{recorded[:12]}, but {where} holds {identity.get('name')!r} (sha256 "
+                        f"{identity['sha256'][:12]}); pass the run's own data directory")
+    vocab = (ckpt.model_config or {}).get("vocab_size")
+    if vocab and int(identity.get("vocab_size", 0)) > int(vocab):
+        raise UserError(f"tokenizer mismatch: {where} holds {identity.get('name')!r} with "
+                        f"{identity['vocab_size']} tokens, but {ckpt.path} has a vocabulary of {vocab}")

@@ -34,7 +34,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -166,17 +166,21 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def run_benchmark(ctx: Any, opts: BenchOptions,
-                  node_of_rank: list[int] | None = None) -> list[dict[str, Any]]:
+def run_benchmark(ctx: Any, opts: BenchOptions, node_of_rank: list[int] | None = None,
+                  on_record: Callable[[dict[str, Any], int, int], None] | None = None) -> list[dict[str, Any]]:
     """Measure every (scope, op, size) on every rank; return the records (the same on all ranks).
 
     ``ctx`` is a ``DistContext`` with more than one rank. ``node_of_rank`` overrides each rank's
-    node id for ``--groups`` (tests fake a two-node layout on one machine).
+    node id for ``--groups`` (tests fake a two-node layout on one machine). ``on_record(record,
+    done, total)`` is called on every rank as soon as each (scope, op, size) is measured: the
+    ranks gather each case's results right after timing it (outside the timed calls).
     """
     require_ranks(ctx)
     dtype = DTYPES[opts.dtype]
-    local: list[tuple] = []
+    records: list[dict[str, Any]] = []
     scopes = _scopes(ctx, opts.groups, node_of_rank)
+    members = {s.name: s.members for s in scopes}
+    total = len(scopes) * len(opts.ops) * len(opts.sizes)
     for scope in scopes:
         n = scope.size
         grank = scope.mine.index(ctx.rank)
@@ -188,11 +192,14 @@ def run_benchmark(ctx: Any, opts: BenchOptions,
                                   src=scope.mine[0], fallback_rs=not rs_native)
                 t, wrong = measure(case, ctx.device, tolerance(op, dtype, n), opts.iters,
                                    opts.warmup, scope.group)
-                local.append((scope.name, op, case.nbytes, t, wrong, case.impl))
+                mine = (scope.name, op, case.nbytes, t, wrong, case.impl)
                 del case
-    gathered = ctx.all_gather_object(local)
-    return _records(gathered, {s.name: s.members for s in scopes}, ctx.world_size,
-                    opts.dtype, ctx.backend)
+                gathered = ctx.all_gather_object([mine])
+                (record,) = _records(gathered, members, ctx.world_size, opts.dtype, ctx.backend)
+                records.append(record)
+                if on_record is not None:
+                    on_record(record, len(records), total)
+    return records
 
 
 def _records(gathered: list[list[tuple]], members: dict[str, list[list[int]]], world: int,
@@ -250,29 +257,42 @@ def _row(r: dict[str, Any]) -> tuple[str, ...]:
             f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}", str(r["wrong"]))
 
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    """The records as a plain fixed-width table."""
-    rows = [_COLUMNS] + [_row(r) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    return "\n".join(lines)
+_WIDTHS = (14, 6, 6, 12, 11, 11, 5)
+"""Column widths of the streamed table (rows are printed before the later ones are known)."""
 
 
-def _print_table(records: list[dict[str, Any]], title: str) -> None:
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
+class RecordStream:
+    """Prints each record as a table row the moment it is measured (with ``done/total``), and
+    appends it to the ``--json`` file (flushed per line), so a long run shows progress and a
+    killed one keeps what it measured."""
 
-        table = Table(title=title)
-        for i, col in enumerate(_COLUMNS):
-            table.add_column(col, justify="right" if i >= 2 else "left")
-        for r in records:
-            table.add_row(*_row(r), style="red" if r["wrong"] else None)
-        Console().print(table)
-    else:
+    def __init__(self, title: str, json_path: str | Path | None) -> None:
+        """Print ``title`` and the header; truncate and open ``json_path`` when given."""
+        self._json = None
+        if json_path is not None:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            self._json = open(json_path, "w", encoding="utf-8")
         print(title)
-        print(format_table(records), flush=True)
+        print(self._line(("progress",) + _COLUMNS), flush=True)
+
+    @staticmethod
+    def _line(cells: tuple[str, ...]) -> str:
+        progress, rest = cells[0], cells[1:]
+        body = "  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w)
+                         for i, (cell, w) in enumerate(zip(rest, _WIDTHS)))
+        return f"{progress:>9}  {body}"
+
+    def __call__(self, record: dict[str, Any], done: int, total: int) -> None:
+        """Emit one record (the ``on_record`` hook of ``run_benchmark``)."""
+        print(self._line((f"{done}/{total}",) + _row(record)), flush=True)
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
+
+    def close(self) -> None:
+        """Close the JSON file."""
+        if self._json is not None:
+            self._json.close()
 
 
 def write_records_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
@@ -291,7 +311,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", default=",".join(OPS),
                         help=f"comma-separated ops (default: all of {','.join(OPS)})")
     parser.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
-    parser.add_argument("--max-bytes", default="1G", help="largest message (default 1G)")
+    parser.add_argument("--max-bytes", default=None,
+                        help=f"largest message (default {format_size(DEFAULT_MAX_BYTES['nccl'])} on "
+                        f"NCCL, {format_size(DEFAULT_MAX_BYTES['gloo'])} on gloo, where large "
+                        "messages take minutes and say nothing new)")
     parser.add_argument("--factor", type=float, default=2.0, help="size step factor (default 2)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--backend", default="auto", help="auto, nccl or gloo")
@@ -305,8 +328,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
 
 
-def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    """Validated options from the parsed command line (one-line errors)."""
+DEFAULT_MAX_BYTES = {"nccl": 1 << 30, "gloo": 16 << 20}
+"""--max-bytes by backend: NCCL reaches its bus bandwidth near 1 GiB; gloo on CPU is flat long
+before 16 MiB, and its defaults then finish in about a minute on 2 cores."""
+
+
+def options_from_args(args: argparse.Namespace, backend: str = "nccl") -> BenchOptions:
+    """Validated options from the parsed command line (one-line errors); ``backend`` sizes the
+    default --max-bytes."""
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown or not ops:
@@ -317,7 +346,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise UserError(f"--groups: unknown {bad}; choose from {', '.join(GROUP_KINDS)}")
     if args.iters < 1 or args.warmup < 0:
         raise UserError("--iters must be >= 1 and --warmup >= 0")
-    sizes = message_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    max_bytes = parse_size(args.max_bytes) if args.max_bytes else DEFAULT_MAX_BYTES.get(backend, 1 << 30)
+    sizes = message_sizes(parse_size(args.min_bytes), max_bytes, args.factor)
     return BenchOptions(ops=ops, sizes=sizes, dtype=args.dtype, iters=args.iters,
                         warmup=args.warmup, groups=groups)
 
@@ -326,20 +356,26 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark on this rank; 0 when every result is right and fast enough, else 1."""
     from podtrain.distributed.group import process_group
 
-    opts = options_from_args(args)
+    options_from_args(args)  # flag mistakes before any process group
     env = ClusterEnv.detect()
     with process_group(env, args.backend, init_timeout_s=args.timeout_s,
                        timeout_s=args.timeout_s) as ctx:
         require_ranks(ctx)
+        opts = options_from_args(args, ctx.backend)
         check_memory(ctx, opts)
-        records = run_benchmark(ctx, opts)
+        stream = None
+        if ctx.is_main:
+            stream = RecordStream(f"podtrain bench collectives: {ctx.world_size} ranks, {ctx.backend}, "
+                                  f"{opts.dtype}, {ctx.device.type}, {format_size(opts.sizes[0])}"
+                                  f"-{format_size(opts.sizes[-1])}, torch {torch.__version__}",
+                                  args.json_path)
+        try:
+            records = run_benchmark(ctx, opts, on_record=stream)
+        finally:
+            if stream is not None:
+                stream.close()
     failures = check_results(records, args.min_busbw)
     if ctx.is_main:
-        title = (f"podtrain bench collectives: {ctx.world_size} ranks, {ctx.backend}, "
-                 f"{opts.dtype}, {ctx.device.type}, torch {torch.__version__}")
-        _print_table(records, title)
-        if args.json_path:
-            write_records_jsonl(args.json_path, records)
         for failure in failures:
             print(f"podtrain bench collectives: FAIL: {failure}", file=sys.stderr)
     return 1 if failures else 0

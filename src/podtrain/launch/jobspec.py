@@ -101,6 +101,29 @@ def absolute_paths(cfg: RunConfig, base: Path) -> dict[str, str]:
             for key, value in (("run.dir", cfg.run.dir), ("data.path", cfg.data.path))}
 
 
+NODE_LOCAL_ROOTS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+"""Directories that are on every node but never the same storage on two nodes."""
+
+
+def shared_storage_warnings(cfg: RunConfig, base: Path, home: Path | None = None) -> list[str]:
+    """One line per run.dir / data.path that the other nodes may not see: a relative path (pinned
+    to ``base``, this machine's directory), a node-local directory, or a home directory (shared on
+    some clusters, local on others)."""
+    home = (home or Path.home()).resolve()
+    lines = []
+    for key, value in (("run.dir", cfg.run.dir), ("data.path", cfg.data.path)):
+        path = (base / value).resolve()  # an absolute value ignores base
+        if not Path(value).is_absolute():
+            lines.append(f"{key} {value} is relative: the job uses {path} on every node; is that on "
+                         "storage every node mounts?")
+        elif any(path.is_relative_to(root) for root in NODE_LOCAL_ROOTS):
+            lines.append(f"{key} {value} is node-local storage: other nodes cannot see it")
+        elif path.is_relative_to(home) or path.is_relative_to("/home"):
+            lines.append(f"{key} {value} is in a home directory: make sure every node mounts it "
+                         "(shared storage such as /fsx is safer)")
+    return lines
+
+
 def config_yaml(cfg: RunConfig, updates: dict[str, object] | None = None) -> str:
     """The resolved config as YAML, with dotted ``updates`` applied (e.g. ``{"run.dir": ...}``)."""
     data = to_dict(cfg)

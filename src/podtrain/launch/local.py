@@ -7,6 +7,12 @@ rendezvous port (29500 is often taken) and a one-minute ``join_timeout``.
 
 ``--nnodes M`` starts M torchrun agents on this host, each with ``--nproc`` workers, joined by c10d
 rendezvous: the same code path as M real nodes.
+
+The terminal sees the workers' output and one closing line, never torchrun's tracebacks
+(``agent_output.py``; torchrun's own log is kept in RUN_DIR/logs). The exit status is the
+workers' (``exit_report.py``): 0, 2 with the rank's one-line reason, 124 after a hang, and after
+Ctrl-C or SIGTERM (relayed once to the agents, which run in their own sessions) 130 or 143 with
+"stopped by SIGINT at step N, checkpoint step_N saved; run the same command to resume".
 """
 
 from __future__ import annotations
@@ -17,13 +23,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Sequence
 
+from podtrain.ckpt.layout import CKPT_SUBDIR, list_checkpoints, step_name
 from podtrain.config import accumulation_steps, load_config
 from podtrain.distributed.env import threads_per_rank
-from podtrain.errors import UserError
+from podtrain.distributed.watchdog import HANG_EXIT_CODE
+from podtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from podtrain.launch.agent_output import AgentOutput
+from podtrain.launch.exit_report import EXIT_REPORT_DIR, ExitReport, job_exit, read_reports, torchrun_exit_codes
 from podtrain.launch.torchrun import TRAIN_MODULE, torchrun_flags, worker_env
 
 
@@ -72,7 +83,8 @@ def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = No
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the config for the whole job, then start the agents and wait for them."""
+    """Validate the config for the whole job, start the agents, wait, and end with the workers'
+    own verdict (see the module docstring)."""
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
@@ -83,12 +95,63 @@ def run(args: argparse.Namespace) -> int:
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
     log_dir = Path(cfg.run.dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,
-                                                port, rdzv_id, args.max_restarts, args.join_timeout,
-                                                host=(i == 0), grace_s=cfg.ckpt.grace_s,
-                                                log_dir=str(log_dir)), env=env)
-              for i in range(args.nnodes)]
-    return _wait_forwarding_signals(agents)
+    with tempfile.TemporaryDirectory(prefix="podtrain-exit-") as reports_dir:
+        env[EXIT_REPORT_DIR] = reports_dir
+        # Own sessions: a terminal's Ctrl-C reaches only us, and we relay it once (a second
+        # signal to a torchrun agent that is already shutting down cuts its workers' save short).
+        agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,
+                                                    port, rdzv_id, args.max_restarts, args.join_timeout,
+                                                    host=(i == 0), grace_s=cfg.ckpt.grace_s,
+                                                    log_dir=str(log_dir)),
+                                   env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, errors="replace")
+                  for i in range(args.nnodes)]
+        with AgentOutput(agents, log_dir / f"torchrun_{rdzv_id}.log") as output:
+            agent_codes, received = _wait_forwarding_signals(agents)
+        reports = read_reports(reports_dir)
+    return _verdict(cfg, agent_codes, received, reports, output)
+
+
+def _verdict(cfg, agent_codes: list[int], received: int | None, reports: dict[int, ExitReport],
+             output: AgentOutput) -> int:
+    """Print the one line that says how the job ended and return its exit code."""
+    code, report = job_exit(reports, torchrun_exit_codes(output.torchrun_text))
+    if received is not None and (code == 0 or code >= 128):
+        code = 128 + received  # we relayed the signal: 130 for Ctrl-C, 143 for SIGTERM
+    where = output.log_path.parent
+    if code == 0 and any(agent_codes):
+        code = next(c for c in agent_codes if c)
+        print(f"podtrain: error: torchrun exited with {code} before any rank reported; its output is "
+              f"in {output.log_path}", file=sys.stderr)
+    elif code == USER_ERROR_EXIT_CODE:
+        raise UserError(report.message if report is not None and report.message else
+                        f"a rank stopped with a user error; see {where}")
+    elif code >= 128:
+        print(f"podtrain: {_stop_line(cfg, code, reports)}", file=sys.stderr)
+    elif code == HANG_EXIT_CODE:
+        print(f"podtrain: error: rank {report.rank} hung (no step within dist.timeout_s); stacks and "
+              f"last collectives are in {Path(cfg.run.dir) / 'debug'}", file=sys.stderr)
+    elif code != 0:
+        reason = f": {report.message}" if report.message else ""
+        print(f"podtrain: error: rank {report.rank} failed with exit code {code}{reason}; its output "
+              f"is in {where}", file=sys.stderr)
+    return code
+
+
+def _stop_line(cfg, code: int, reports: dict[int, ExitReport]) -> str:
+    """``stopped by SIGINT at step N, checkpoint step_N saved; ...``: the step the ranks report,
+    else the run directory's newest complete checkpoint."""
+    name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"exit {code}"
+    steps = [r.step for r in reports.values() if r.code >= 128 and r.step is not None]
+    saved = list_checkpoints(Path(cfg.run.dir) / CKPT_SUBDIR)
+    if steps and any(step == max(steps) for step, _ in saved):
+        step = max(steps)
+    elif saved:
+        step = saved[-1][0]
+    else:
+        return f"stopped by {name} before any checkpoint was saved"
+    return (f"stopped by {name} at step {step}, checkpoint {step_name(step)} saved; run the same "
+            f"command to resume")
 
 
 def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
@@ -101,18 +164,23 @@ def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
     check_run(cfg, world_size, local_world_size, device)
 
 
-def _wait_forwarding_signals(agents: list[subprocess.Popen]) -> int:
-    """Wait for every agent; SIGTERM/SIGINT/SIGUSR1 to us go to them (torchrun relays to workers)."""
+def _wait_forwarding_signals(agents: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every agent; SIGTERM/SIGINT/SIGUSR1/SIGHUP to us go to them (torchrun relays to its
+    workers, SIGHUP as SIGTERM). Returns the agents' codes and the first signal we received."""
+    received: list[int] = []
+
     def forward(signum, _frame):
+        received.append(signum)
         for agent in agents:
             if agent.poll() is None:
-                agent.send_signal(signum)
+                agent.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in relayed}
     try:
         codes = [agent.wait() for agent in agents]
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    failed = [c for c in codes if c != 0]
-    return failed[0] if failed else 0
+    first = received[0] if received else None
+    return codes, (signal.SIGTERM if first == signal.SIGHUP else first)

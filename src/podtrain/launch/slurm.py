@@ -38,7 +38,7 @@ from podtrain.distributed.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from podtrain.errors import UserError
 from podtrain.launch.torchrun import torchrun_flags, worker_env
 from podtrain.launch.jobspec import (JobSpec, absolute_paths, add_job_arguments, build_spec, check_image,
-                                     config_yaml, dns_label)
+                                     config_yaml, dns_label, shared_storage_warnings)
 
 HYPERPOD_MARKER = "/opt/sagemaker_cluster"
 
@@ -323,8 +323,8 @@ def run(args: argparse.Namespace) -> int:
     """Validate, then write the script (stdout or --output) and, with --submit, submit it."""
     job = build_job(args)
     script = render_script(job)
-    # sbatch cannot create the directory of --output: without it the job fails with no log at all.
-    _make_log_dir(Path(job.run_dir) / "logs")
+    for line in shared_storage_warnings(job.spec.cfg, Path.cwd()):
+        print(f"podtrain: warning: {line}", file=sys.stderr)
     target = None if args.output == "-" else Path(args.output)
     if target is None and args.submit:
         target = Path(job.run_dir) / "logs" / f"{job.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
@@ -336,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
     target.chmod(0o755)
     print(f"podtrain: wrote {target}", file=sys.stderr)
     if args.submit:
+        # sbatch cannot create the directory of --output: without it the job fails with no log.
+        _make_log_dir(Path(job.run_dir) / "logs")
         job_id = submit(target)
         print(f"podtrain: submitted job {job_id}; log {job.run_dir}/logs/{job.job_name}-{job_id}.out",
               file=sys.stderr)

@@ -33,6 +33,7 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
+from podtrain.launch import exit_report
 from podtrain.model import build_model, model_size
 from podtrain.observe.console import Progress, setup_logging
 from podtrain.observe.hardware import max_memory_bytes, peak_flops
@@ -45,7 +46,7 @@ from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.replicas import (buffers_need_forward_sync, check_all_parameters_used, check_replicas,
                                      ddp_buffer_arguments)
-from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
+from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 
 log = logging.getLogger("podtrain")
@@ -58,9 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """CLI entry: load and validate the config, then train on this rank."""
-    cfg = load_config(args.config, args.overrides)
-    return train(cfg).exit_code
+    """CLI entry: load and validate the config, then train on this rank (telling ``launch local``
+    how it ended: ``launch/exit_report.py``)."""
+    env = ClusterEnv.detect()
+    with exit_report.recording(env.rank) as report:
+        cfg = load_config(args.config, args.overrides)
+        result = train(cfg, env)
+        report.code, report.step = result.exit_code, result.step
+        return result.exit_code
 
 
 @dataclass
@@ -372,7 +378,8 @@ class Trainer:
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "run_id": self.run_id, "config": to_dict(self.cfg)}
+                "run_id": self.run_id, "config": to_dict(self.cfg),
+                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256")}
 
     def _save(self) -> float:
         t0 = time.perf_counter()
@@ -391,13 +398,13 @@ class Trainer:
         log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
                     "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
                     since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
-                    REQUEUE_EXIT_CODE)
+                    self.stop_signal.exit_code)
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
             # --max-restarts left); a SIGTERM tells its agent to stop this node instead.
             os.kill(os.getppid(), signal.SIGTERM)
-        self.result.exit_code = REQUEUE_EXIT_CODE
+        self.result.exit_code = self.stop_signal.exit_code
         self.result.step = self.step
         return self.result
 

@@ -4,7 +4,7 @@ Schedulers announce the end of a job with a signal some time before SIGKILL: Slu
 on preemption or at the time limit (``KillWait``, 30 s by default) and, with
 ``#SBATCH --signal=B:USR1@120``, SIGUSR1 120 s early; torchrun's agent relays a SIGTERM it receives
 to every worker and SIGKILLs them 30 s later; Kubernetes sends SIGTERM and SIGKILLs after
-``terminationGracePeriodSeconds``. ``StopSignal`` turns the configured signals (``ckpt.signals``)
+``terminationGracePeriodSeconds``; Ctrl-C sends SIGINT. ``StopSignal`` turns the configured signals (``ckpt.signals``)
 into a flag. The handler only sets that flag (nothing that takes a lock or allocates), and the
 ranks agree with one small all_reduce (max), so they all save the same step even though the signal
 reached them at different moments.
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 REQUEUE_EXIT_CODE = 143
 """Exit status after a signal-triggered checkpoint: 128 + SIGTERM, retryable (see module doc)."""
 
+INTERRUPT_EXIT_CODE = 130
+"""Exit status after a Ctrl-C (SIGINT) save: 128 + SIGINT."""
+
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -61,7 +64,7 @@ def parse_signal(name: str) -> signal.Signals:
 class StopSignal:
     """Handlers that set a stop flag; ``should_stop`` makes the ranks agree on it."""
 
-    def __init__(self, signal_names: Sequence[str] = ("SIGTERM", "SIGUSR1")) -> None:
+    def __init__(self, signal_names: Sequence[str] = ("SIGTERM", "SIGINT", "SIGUSR1")) -> None:
         """Install handlers for ``signal_names`` (main thread only; elsewhere, a warning)."""
         self.signals = [parse_signal(n) for n in signal_names]
         self.received: int | None = None
@@ -90,6 +93,12 @@ class StopSignal:
     def requested(self) -> bool:
         """True once one of the signals reached this rank."""
         return self.received is not None
+
+    @property
+    def exit_code(self) -> int:
+        """The status to exit with after the save: 130 after Ctrl-C (SIGINT, as shells report
+        it), else ``REQUEUE_EXIT_CODE``; both are retryable for Kubeflow (128-255)."""
+        return INTERRUPT_EXIT_CODE if self.received == signal.SIGINT else REQUEUE_EXIT_CODE
 
     def seconds_since_signal(self) -> float | None:
         """Seconds since this rank received its signal (to log a save against the grace period)."""

@@ -6,12 +6,17 @@ The work itself is ``pipeline.prepare``; this module only translates between arg
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 from pathlib import Path
 
+from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.data.prepare.pipeline import (DEFAULT_BPE_TRAIN_BYTES, DEFAULT_CHUNK_BYTES,
                                             DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ERROR_POLICIES,
                                             PrepareOptions, PrepareResult, prepare)
+from podtrain.data.tokenizer import TOKENIZER_FILE
+from podtrain.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text a bpe:VOCAB tokenizer is trained on")
     parser.add_argument("--eos-token", default=None, help="EOS token of a Hugging Face tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--force", action="store_true",
+                        help="replace DATA_DIR even when it holds data made with another tokenizer")
 
 
 def options_from_args(args: argparse.Namespace) -> PrepareOptions:
@@ -70,6 +77,27 @@ def summary(result: PrepareResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``podtrain prepare``."""
+    if not args.force:
+        refuse_other_tokenizer(Path(args.out), args.tokenizer)
     result = prepare(options_from_args(args))
     print(summary(result))
     return 0
+
+
+def refuse_other_tokenizer(out: Path, spec: str) -> None:
+    """A UserError when ``out`` already holds data made with a tokenizer other than ``spec``: a
+    model trained on that data would be paired with the wrong tokenizer (``--force`` replaces it)."""
+    manifest = out / MANIFEST_NAME
+    try:
+        recorded = json.loads(manifest.read_text()).get("tokenizer") or {}
+    except (OSError, ValueError):
+        return  # nothing (or nothing readable) to protect
+    name = str(recorded.get("name"))
+    local = Path(spec) / TOKENIZER_FILE if Path(spec).is_dir() else Path(spec)
+    if recorded.get("kind") == "hf" and local.is_file():  # the same file, wherever it is now
+        if hashlib.sha256(local.read_bytes()).hexdigest() == recorded.get("sha256"):
+            return
+    elif name == spec:
+        return
+    raise UserError(f"{out} holds data made with tokenizer {name!r}, not --tokenizer {spec!r}: "
+                    "choose another --out, or pass --force to replace it")

@@ -1,0 +1,123 @@
+"""How a rank tells ``launch local`` why it ended: one small JSON file per rank.
+
+torchrun reports a worker's failure as a 30-line ``ChildFailedError`` traceback and exits 1 whatever
+the worker's status, and after a signal-driven save it exits 1 with a ``SignalException``
+traceback. ``launch local`` wants the workers' own verdict instead: exit 2 and the one-line reason
+after a user mistake, 130/143 and the saved step after a stop signal. So it names a directory in
+``EXIT_REPORT_DIR`` and each rank's ``podtrain train`` writes ``rank_<R>.json`` there as it ends
+(``recording``): ``{"rank", "code", "message", "step"}``. Nothing is written when the variable is
+unset (Slurm, Kubernetes, a bare torchrun).
+
+A rank that cannot write one (SIGKILL, the hang watchdog's ``os._exit(124)``) is still known from
+torchrun's own failure summary (``torchrun_exit_codes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from podtrain.errors import UserError
+
+EXIT_REPORT_DIR = "PODTRAIN_EXIT_REPORT_DIR"
+"""Environment variable naming the directory where each rank writes ``rank_<R>.json``."""
+
+
+@dataclass
+class ExitReport:
+    """Why one rank ended: its exit code, a one-line message and the step it reached."""
+
+    rank: int
+    code: int = 1
+    message: str = ""
+    step: int | None = None
+
+
+@contextlib.contextmanager
+def recording(rank: int) -> Iterator[ExitReport]:
+    """Around a rank's whole ``train`` command: the body sets ``code``/``step`` on success; a
+    ``UserError`` records its code and message, ``KeyboardInterrupt`` 130, any other exception 1
+    with its type and message (the traceback still goes to stderr). Exceptions propagate."""
+    report = ExitReport(rank=rank)
+    try:
+        yield report
+    except UserError as exc:
+        report.code, report.message = exc.exit_code, str(exc)
+        raise
+    except KeyboardInterrupt:
+        report.code, report.message = 130, "interrupted"
+        raise
+    except BaseException as exc:
+        report.code, report.message = 1, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        raise
+    finally:
+        _write(report)
+
+
+def _write(report: ExitReport) -> None:
+    """Write ``report`` atomically into ``$EXIT_REPORT_DIR`` (nothing when the variable is unset)."""
+    folder = os.environ.get(EXIT_REPORT_DIR)
+    if not folder:
+        return
+    path = Path(folder) / f"rank_{report.rank}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(report.__dict__))
+        os.replace(tmp, path)
+    except OSError:  # the report is a courtesy: it never turns an exit into a different failure
+        pass
+
+
+def read_reports(folder: str | os.PathLike) -> dict[int, ExitReport]:
+    """Every rank's report in ``folder``, by rank (unreadable files are skipped)."""
+    reports = {}
+    for path in Path(folder).glob("rank_*.json"):
+        try:
+            data = json.loads(path.read_text())
+            reports[int(data["rank"])] = ExitReport(**data)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return reports
+
+
+_FAILURE_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_exit_codes(output: str) -> dict[int, int]:
+    """Ranks and exit codes from torchrun's ``ChildFailedError`` summary (``rank : 1 (local_rank:
+    1)`` followed by ``exitcode : 124 (pid: ...)``), for ranks that wrote no report."""
+    return {int(rank): int(code) for rank, code in _FAILURE_RE.findall(output)}
+
+
+SEVERITY = (2, 124)
+"""Exit codes that explain a job's end over any other rank's (a user mistake, then a hang): the
+other ranks' codes are consequences (torchrun stops them, and a stopped rank may save and exit 143)."""
+
+
+def job_exit(reports: dict[int, ExitReport], torchrun_codes: dict[int, int]) -> tuple[int, ExitReport | None]:
+    """The job's exit code and the report that explains it.
+
+    A user mistake (2) wins over a hang (124), which wins over a crash (any other non-signal code),
+    which wins over a signal stop (128+N); all zero is 0. Ranks without a report count with
+    torchrun's code for them.
+    """
+    codes = {rank: r.code for rank, r in reports.items()}
+    for rank, code in torchrun_codes.items():
+        codes.setdefault(rank, code)
+    if not codes:
+        return 0, None
+
+    def rank_order(code: int) -> int:
+        if code in SEVERITY:
+            return SEVERITY.index(code)
+        if code == 0:
+            return 4
+        return 3 if code >= 128 or code < 0 else 2
+
+    rank, code = min(sorted(codes.items()), key=lambda item: rank_order(item[1]))
+    return code, reports.get(rank, ExitReport(rank=rank, code=code))

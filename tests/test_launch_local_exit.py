@@ -1,0 +1,113 @@
+"""`launch local` ends with the workers' verdict: one line on the terminal, their exit code.
+
+Real torchrun, real gloo ranks. A Ctrl-C is simulated as a terminal delivers it: SIGINT to the
+whole foreground process group of a `launch local` started in its own session.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_plugin.podtrain_faults import fault_env
+from podtrain.ckpt import layout
+
+pytestmark = pytest.mark.e2e
+
+FAST = ["data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "log.every=1",
+        "eval.every=0", "ckpt.every=1000", "log.progress=plain", "monitor.straggler_every=0",
+        "optim.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """The built-in corpus tokenised twice: bytes (vocab 257) and BPE (vocab 512)."""
+    root = tmp_path_factory.mktemp("data")
+    for name, tok in (("byte", "byte"), ("bpe", "bpe:512")):
+        subprocess.run([sys.executable, "-m", "podtrain.cli", "prepare", "builtin", "--out",
+                        str(root / name), "--tokenizer", tok], check=True, capture_output=True, timeout=120)
+    return root
+
+
+def start(repo: Path, run_dir: Path, data: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "podtrain.cli", "launch", "local", str(repo / "configs/demo.yaml"),
+           "--nproc", "2", f"run.dir={run_dir}", f"data.path={data}", *FAST, *extra]
+    return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {steps} (exit {proc.poll()})")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def latest_step(run_dir: Path) -> int:
+    return layout.parse_step((run_dir / "ckpt" / "latest").read_text().strip())
+
+
+def test_ctrl_c_saves_says_one_line_and_exits_130_then_a_user_error_is_one_line_and_resume_works(
+        repo, tmp_path, datasets):
+    run_dir = tmp_path / "run"
+    proc = start(repo, run_dir, datasets / "byte", "train.steps=2000")
+    wait_for_steps(proc, run_dir, 3)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process in the group
+    code, out, err = finish(proc)
+    assert code == 130, err[-3000:]
+    step = latest_step(run_dir)
+    assert 3 <= step < 2000
+    assert (run_dir / "ckpt" / layout.step_name(step) / layout.MANIFEST).is_file()
+    state = json.loads((run_dir / "ckpt" / layout.step_name(step) / layout.STATE_JSON).read_text())
+    manifest = json.loads((datasets / "byte" / "manifest.json").read_text())
+    assert state["train_state"]["tokenizer_sha256"] == manifest["tokenizer"]["sha256"]
+    assert "Traceback" not in out + err and "ChildFailedError" not in out + err, err[-3000:]
+    own = [line for line in err.splitlines() if line.startswith("podtrain:")]
+    assert own == [f"podtrain: stopped by SIGINT at step {step}, checkpoint {layout.step_name(step)} "
+                   "saved; run the same command to resume"], err[-3000:]
+
+    # The same run directory with data of another tokenizer: every rank refuses; one line, exit 2.
+    code, out, err = finish(start(repo, run_dir, datasets / "bpe", "train.steps=2000"))
+    assert code == 2, err[-3000:]
+    errors = [line for line in (out + err).splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("podtrain: error: "), out + err
+    assert "Traceback" not in out + err and len(err.splitlines()) <= 3, err
+
+    # The same command as before resumes from the saved step and finishes.
+    code, out, err = finish(start(repo, run_dir, datasets / "byte", f"train.steps={step + 2}"))
+    assert code == 0, err[-3000:]
+    assert f"resumed from {run_dir / 'ckpt' / layout.step_name(step)}" in out + err
+    assert latest_step(run_dir) == step + 2
+
+
+def test_a_save_longer_than_30s_after_sigterm_completes_and_exits_143(repo, tmp_path, datasets):
+    """torchrun SIGKILLs its workers --shutdown-timeout seconds after its SIGTERM (30 by default):
+    with ckpt.grace_s=90 the launcher gives it 90, so a 35 s write finishes."""
+    run_dir = tmp_path / "run"
+    proc = start(repo, run_dir, datasets / "byte", "train.steps=2000", "ckpt.grace_s=90",
+                 env=fault_env("slow-save:seconds=35"))
+    wait_for_steps(proc, run_dir, 2)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, timeout=120)
+    took = time.monotonic() - sent
+    assert code == 143, err[-3000:]
+    assert took > 35, f"the launcher returned {took:.0f} s after SIGTERM: the slow save never ran"
+    step = latest_step(run_dir)
+    verdict = layout.verify(run_dir / "ckpt" / layout.step_name(step))
+    assert verdict.ok, verdict.reason
+    assert "checkpoint write of step" in out + err  # the fault fired
+    assert f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} saved" in err
