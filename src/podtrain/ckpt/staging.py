@@ -25,7 +25,6 @@ import torch
 from podtrain.ckpt.host_buffers import StagingPool, byte_array, flat_bytes
 from podtrain.ckpt.tensorio import spec_of
 
-
 _END = object()  # queued after a file's last slab
 
 
@@ -45,6 +44,7 @@ class SaveStream:
         self._queues: dict[str, collections.deque] = {f: collections.deque() for f in files}
         self._cond = threading.Condition()
         self._failure: str | None = None
+        self._held: torch.Tensor | None = None  # the slab the writer is reading now
         self.staged_bytes = 0
 
     @property
@@ -129,12 +129,28 @@ class SaveStream:
             if item is _END:
                 return
             slab, fill, event = item
+            with self._cond:
+                self._held = slab
             try:
                 if event is not None:
                     event.synchronize()  # the DMA into this slab is complete
                 yield memoryview(byte_array(slab[:fill])).cast("B")
             finally:
+                self._release_held(slab)
+
+    def _release_held(self, slab: torch.Tensor) -> None:
+        with self._cond:
+            if self._held is slab:
+                self._held = None
                 self.pool.release(slab)
+
+    def close(self, reason: str) -> None:
+        """The writer is done with this stream (whatever happened): ``fail`` it, and return the
+        slab it was reading, even when a failed write left the ``chunks`` iterator suspended."""
+        self.fail(reason)
+        with self._cond:
+            if self._held is not None:
+                self._release_held(self._held)
 
     def fail(self, reason: str) -> None:
         """Stop both sides: queued slabs go back to the pool, waiters wake up (idempotent)."""

@@ -173,7 +173,7 @@ class CheckpointWriter:
             self._write_collectively(job)
         finally:
             if job.stream is not None:  # a step loop still staging must not wait for us any more
-                job.stream.fail("the checkpoint writer stopped before taking every tensor")
+                job.stream.close("the checkpoint writer stopped before taking every tensor")
 
     def _write_collectively(self, job: SaveJob) -> None:
         rngs = self._gather(job.rng)
