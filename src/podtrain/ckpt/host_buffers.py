@@ -72,6 +72,7 @@ class StagingPool:
     Slabs are allocated on first need and kept: a later save copies into memory that is already
     mapped and pinned (a fresh allocation pays a page fault per 4 KiB, and pinning is slow). At
     least two slabs exist when the budget allows, so one is filled while another is written.
+    Slabs are a power of two bytes, at most 64 MiB.
     ``peak_in_use_bytes`` is the pool's own accounting of the most bytes handed out at once.
     """
 
@@ -79,7 +80,9 @@ class StagingPool:
         """``budget_bytes``: the cap; ``pin``: page-locked slabs (GPU runs); ``threads``: CPU copiers."""
         self.budget_bytes = int(budget_bytes)
         self.pin = pin
-        self.slab_bytes = max(1, min(MAX_SLAB_BYTES, self.budget_bytes // 2))
+        # A power of two: CUDA's pinned (caching host) allocator rounds every request up to one,
+        # so any other size would pin more than the budget says.
+        self.slab_bytes = 1 << (max(1, min(MAX_SLAB_BYTES, self.budget_bytes // 2)).bit_length() - 1)
         self.max_slabs = max(1, self.budget_bytes // self.slab_bytes)
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._free: list[torch.Tensor] = []
