@@ -39,6 +39,7 @@ bench: install
 	$(PY) bench/loader_throughput.py
 	$(PY) bench/prepare_throughput.py
 	$(PY) bench/checkpoint_stall.py
+	$(PY) bench/checkpoint_memory.py
 	$(PY) bench/collectives_overhead.py
 
 clean:

@@ -345,7 +345,7 @@ def _failing_rank(rank, world, run_dir):
         if rank == 0:
             def broken(path, *a, **k):
                 raise OSError(28, "No space left on device", str(path))
-            ckmod.write_safetensors = broken
+            ckmod.write_safetensors = ckmod.write_safetensors_stream = broken
         ck = Checkpointer(Path(run_dir), CkptSection(), ctx)
         ck.save(1, model, opt, None, train_state(1))
         try:

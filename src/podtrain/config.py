@@ -136,6 +136,10 @@ class CkptSection:
     grace_s: float = 120.0
     """Seconds the scheduler allows between the signal and SIGKILL; the save time is logged
     against it."""
+    host_staging_mb: float | None = None
+    """Host memory (MB, 2^20 bytes) per rank for checkpoint copies; null: a quarter of the node's
+    memory (cgroup limit included) divided by its ranks. Saves stream through it: when a rank's
+    share of the state is larger, the step loop also waits for part of the write."""
 
 
 @dataclass
@@ -415,6 +419,8 @@ def validate(cfg: RunConfig) -> None:
     for name in cfg.ckpt.signals:
         signal_from_name(name, "config key 'ckpt.signals'")
     _validate_observe(cfg)
+    if cfg.ckpt.host_staging_mb is not None and not cfg.ckpt.host_staging_mb >= 1:
+        raise UserError(f"config key 'ckpt.host_staging_mb' must be at least 1 (MB), got {cfg.ckpt.host_staging_mb}")
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")

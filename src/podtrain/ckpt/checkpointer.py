@@ -17,16 +17,19 @@ every rank's RNG states (Python, numpy, torch CPU, the rank's GPU); the loop's `
 the world size; the transformers model config. Nothing is pickled: a directory holding a pickle
 file is refused with a ``UserError`` before any of it is read.
 
-Saving: ``save`` copies what this rank must contribute to reused host buffers
-(``podtrain.ckpt.host_buffers``; the only stall of the step loop) and hands it to the background
-writer (``podtrain.ckpt.writer``: who writes which file, with which collectives); a second
-``save`` first waits for the first. After a save, rank 0 applies retention (``ckpt.keep_last``,
-``ckpt.keep_every``).
+Saving: ``save`` hands the job to the background writer (``podtrain.ckpt.writer``: who writes
+which file, with which collectives), then copies what this rank writes into the reused host slabs
+of a ``StagingPool`` (``podtrain.ckpt.host_buffers``, at most ``ckpt.host_staging_mb``), which the
+writer drains as they fill (``podtrain.ckpt.staging``); the copies are the step loop's stall, plus
+writing time when this rank's share exceeds the budget. A second ``save`` first waits for the
+first. After a save, rank 0 applies retention (``ckpt.keep_last``, ``ckpt.keep_every``).
 
 Resuming: rank 0 alone looks at the file system (ranks on a shared file system can disagree about
 what exists), picks the newest complete checkpoint whose checksums hold (warning with the name of
 each one it skips) and broadcasts the choice; every rank then loads it (``podtrain.ckpt.reader``)
-and the ranks agree on success before anyone continues.
+and the ranks agree on success before anyone continues. Loading goes tensor by tensor
+(``podtrain.ckpt.streamed_load``): each tensor's bytes go straight from the file into its
+parameter or optimizer state tensor, so no rank holds a second copy of the checkpoint.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ from torch import nn
 
 from podtrain import __version__
 from podtrain.ckpt import layout
-from podtrain.ckpt.host_buffers import HostBuffers
-from podtrain.ckpt.reader import load_weights, read_checkpoint
+from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
+from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import capture_rng, restore_rng, to_plain
-from podtrain.ckpt.writer import CheckpointWriter, SaveJob
+from podtrain.ckpt.streamed_load import load_into
+from podtrain.ckpt.writer import CheckpointWriter, SaveJob, plan_files
 from podtrain.config import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
@@ -63,8 +67,9 @@ class Checkpointer:
         self.root = self.run_dir / layout.CKPT_SUBDIR
         self.cfg = cfg
         self.ctx = ctx
+        budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
+        self._pool = StagingPool(budget, pin=ctx.is_cuda)
         self._writer = CheckpointWriter(self.root, cfg, ctx)
-        self._buffers = HostBuffers(pin=ctx.device.type != "cpu")
         self._pending: SaveJob | None = None
         self._last_step: int | None = None
         self.skipped: list[tuple[str, str]] = []
@@ -142,13 +147,7 @@ class Checkpointer:
     def _load(self, path: Path, manifest: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler | None) -> dict:
         """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it."""
-        ckpt = read_checkpoint(path, manifest)
-        load_weights(unwrap(model), ckpt.model_state, path)
-        state = ckpt.state
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise UserError(f"checkpoint {path}: optimizer state does not fit this optimizer ({exc})") from None
+        state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         rngs = state.get("rng") or []
@@ -178,10 +177,12 @@ class Checkpointer:
         waited = self.wait()  # at most one save in flight: its buffers are about to be reused
         t0 = time.perf_counter()
         job = self._snapshot(step, model, optimizer, scaler, train_state)
-        job.stall_s = time.perf_counter() - t0
         self._last_step = step
         self._pending = job
-        self._writer.submit(job)
+        self._writer.submit(job)  # first: the writer drains slabs while the copies fill them
+        if job.stream is not None:
+            job.stream.produce(self.ctx.device)
+        job.stall_s = time.perf_counter() - t0
         log.info("checkpoint step %d: step loop stalled %.3f s (host copy)%s, writing in the %s",
                  step, job.stall_s, f" + {waited:.2f} s for the previous save" if waited > 0.01 else "",
                  "background" if self.cfg.async_save else "foreground")
@@ -190,13 +191,14 @@ class Checkpointer:
 
     def _snapshot(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                   scaler: torch.amp.GradScaler | None, train_state: dict) -> SaveJob:
-        """Copy what this rank contributes to host buffers; the training may then go on."""
+        """The job of this save: small state captured, the tensors this rank writes in a stream."""
         job = SaveJob(step=step, rng=capture_rng(self.ctx.device))
         writes_tensors = self.ctx.is_main or self.cfg.format == "dcp"
         if writes_tensors:
             net = unwrap(model)
-            job.model_tensors, job.aliases = self._copy_model(net)
-            sink = self._sink(job.state_tensors)
+            model_items, job.aliases = self._model_tensors(net)
+            state_items: list[tuple[str, torch.Tensor]] = []
+            sink = lambda name, t: state_items.append((name, t))  # noqa: E731
             job.state_plain = {
                 "optimizer": to_plain(optimizer.state_dict(), sink, "optimizer"),
                 "scaler": (to_plain(scaler.state_dict(), sink, "scaler")
@@ -206,17 +208,13 @@ class Checkpointer:
             }
             config = getattr(net, "config", None)
             job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
-            self._buffers.finish(self.ctx.device)
+            files = plan_files(self.cfg.format, self.ctx.rank, self.ctx.world_size, model_items, state_items)
+            job.stream = SaveStream(self._pool, files) if files else None
         return job
 
-    def _sink(self, into: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor], None]:
-        def sink(name: str, t: torch.Tensor) -> None:
-            into[name] = self._buffers.copy(name, t)
-        return sink
-
-    def _copy_model(self, net: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Host copies of the weights; tied tensors (embeddings = LM head) stored once, aliased."""
-        tensors: dict[str, torch.Tensor] = {}
+    def _model_tensors(self, net: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+        """The weights to write; tied tensors (embeddings = LM head) stored once, aliased."""
+        tensors: list[tuple[str, torch.Tensor]] = []
         aliases: dict[str, str] = {}
         seen: dict[tuple, str] = {}
         for name, t in net.state_dict().items():
@@ -225,7 +223,7 @@ class Checkpointer:
                 aliases[name] = seen[key]
                 continue
             seen[key] = name
-            tensors[name] = self._buffers.copy(f"model/{name}", t)
+            tensors.append((name, t))
         return tensors, aliases
 
     def wait(self) -> float:
@@ -250,3 +248,4 @@ class Checkpointer:
             self.wait()
         finally:
             self._writer.close()
+            self._pool.close()

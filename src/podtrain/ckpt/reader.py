@@ -1,4 +1,6 @@
-"""Reading checkpoints without a process group: ``sample``, ``export``, tests, and every rank's load.
+"""Reading checkpoints whole, without a process group: ``sample``, ``export``, tests.
+
+(A resume loads tensor by tensor instead: ``podtrain.ckpt.streamed_load``.)
 
 ``read_checkpoint`` turns a validated checkpoint directory into a ``CheckpointData`` (weights,
 decoded state, model config); ``load_latest`` finds a run's newest valid checkpoint first (a
@@ -63,10 +65,15 @@ def read_checkpoint(path: Path, manifest: dict) -> CheckpointData:
 
 def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Copy ``weights`` into ``net``; a different architecture is a one-line user error."""
-    own = net.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    shapes = [k for k in own if k in weights and tuple(own[k].shape) != tuple(weights[k].shape)]
+    check_fit(net.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, path)
+    net.load_state_dict(weights, strict=True)
+
+
+def check_fit(own: dict[str, torch.Tensor], stored: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Raise a one-line ``UserError`` unless ``stored`` (name -> shape) has ``own``'s names and shapes."""
+    missing = sorted(set(own) - set(stored))
+    unexpected = sorted(set(stored) - set(own))
+    shapes = [k for k in own if k in stored and tuple(own[k].shape) != tuple(stored[k])]
     if missing or unexpected or shapes:
         parts = []
         for label, names in (("missing", missing), ("unexpected", unexpected), ("shape differs", shapes)):
@@ -74,7 +81,6 @@ def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: Path) -
                 parts.append(f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
         raise UserError(f"checkpoint {path} does not fit this model ({'; '.join(parts)}): "
                         "was it saved with another model.preset or vocabulary?")
-    net.load_state_dict(weights, strict=True)
 
 
 def load_latest(run_dir: str | os.PathLike) -> CheckpointData:

@@ -7,8 +7,15 @@ they never interleave with the main thread's collectives on the default group.
 
 * ``format=safetensors``: every rank sends its RNG states to global rank 0, which alone writes
   ``model.safetensors`` and ``state.safetensors`` and tells the others whether it succeeded.
-* ``format=dcp``: every rank writes a share of the tensors through ``torch.distributed.checkpoint``
-  (its safetensors storage: no pickled metadata); rank 0 then hashes the shards.
+* ``format=dcp``: the tensors are dealt out to the ranks (``plan_files``: largest first, to the
+  rank with the fewest bytes so far); each rank stages and writes only its share, as one shard in
+  the layout of ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` (so ``dcp.load``
+  with ``HuggingFaceStorageReader`` reads it too; no pickled metadata), and sends rank 0 the
+  shard's size and SHA-256, computed while writing.
+
+The tensor bytes arrive through the job's ``SaveStream`` (``podtrain.ckpt.staging``), slab by
+slab, while the step loop is still copying: host memory for a save stays within
+``ckpt.host_staging_mb``.
 
 Either way rank 0 finishes: it writes the JSON files into a temporary directory, ``manifest.json``
 (size and SHA-256 of every file) last, fsyncs, renames the directory into place, then updates
@@ -18,6 +25,7 @@ Either way rank 0 finishes: it writes the JSON files into a temporary directory,
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -25,7 +33,6 @@ import queue
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +42,13 @@ import torch.distributed as dist
 
 from podtrain import __version__
 from podtrain.ckpt import layout
+from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import to_plain
-from podtrain.ckpt.tensorio import FileRecord, write_json, write_safetensors
+from podtrain.ckpt.tensorio import (FileRecord, TensorSpec, spec_of, tensor_chunks, write_json,
+                                    write_safetensors, write_safetensors_stream)
 from podtrain.config import CkptSection
 from podtrain.distributed.group import DistContext
-from podtrain.fsutil import atomic_write_text, fsync_dir, sha256_file
+from podtrain.fsutil import atomic_write_text, fsync_dir
 
 # The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
@@ -47,6 +56,11 @@ log = logging.getLogger("podtrain.checkpoint")
 # The background group waits while rank 0 writes; a multi-GB checkpoint on a slow shared file
 # system can take many minutes, far longer than a training collective should.
 CKPT_GROUP_TIMEOUT_S = 3600.0
+# What torch's HuggingFaceStorageWriter writes into each shard's header (torch/distributed/
+# checkpoint/_hf_utils.py), so that HuggingFaceStorageReader can read podtrain's shards.
+DCP_SHARDING_INFO, DCP_VERSION = "DCP_SHARDING_INFO", "1.0"
+
+TensorItems = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -55,9 +69,9 @@ class SaveJob:
 
     step: int
     rng: dict[str, Any]
-    model_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stream: SaveStream | None = None
+    """The tensors this rank writes, by file (None: it writes none)."""
     aliases: dict[str, str] = field(default_factory=dict)
-    state_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     state_plain: dict[str, Any] = field(default_factory=dict)
     model_config: str | None = None
     stall_s: float = 0.0
@@ -65,6 +79,36 @@ class SaveJob:
     error: BaseException | None = None
     write_s: float = 0.0
     nbytes: int = 0
+
+
+def dcp_shard_name(rank: int) -> str:
+    """The file (under ``dcp/``) holding ``rank``'s share: HuggingFaceStorageWriter's name for it."""
+    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+
+
+def plan_files(fmt: str, rank: int, world_size: int, model: TensorItems, state: TensorItems) -> dict[str, TensorItems]:
+    """Which files this rank writes, and the ``(name, tensor)``s of each, in file order.
+
+    safetensors: rank 0 writes the model and the state file, the others nothing. dcp: every
+    tensor goes to one rank (largest first, to the rank with the fewest bytes so far; every rank
+    computes the same deal from the same names and sizes), so each rank stages only its share.
+    """
+    if fmt != "dcp":
+        return {layout.MODEL_FILE: model, layout.STATE_FILE: state} if rank == 0 else {}
+    items = [(f"model/{k}", t) for k, t in model] + [(f"state/{k}", t) for k, t in state]
+    load = [0] * world_size
+    owner: dict[str, int] = {}
+    for name, t in sorted(items, key=lambda it: -it[1].numel() * it[1].element_size()):
+        owner[name] = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner[name]] += t.numel() * t.element_size()
+    mine = [(name, t) for name, t in items if owner[name] == rank]
+    return {f"{layout.DCP_SUBDIR}/{dcp_shard_name(rank)}": mine} if mine else {}
+
+
+def dcp_shard_metadata(specs: list[TensorSpec]) -> dict[str, str]:
+    """A shard's safetensors metadata as HuggingFaceStorageWriter writes it (whole tensors)."""
+    sharding = {s.name: {"saved_offsets": [0] * len(s.shape)} for s in specs}
+    return {DCP_SHARDING_INFO: json.dumps(sharding), "DCP_VERSION": DCP_VERSION, "format": "pt"}
 
 
 class CheckpointWriter:
@@ -125,6 +169,13 @@ class CheckpointWriter:
 
     def _write(self, job: SaveJob) -> None:
         """Every rank, in the background thread: the collectives of one save, in a fixed order."""
+        try:
+            self._write_collectively(job)
+        finally:
+            if job.stream is not None:  # a step loop still staging must not wait for us any more
+                job.stream.close("the checkpoint writer stopped before taking every tensor")
+
+    def _write_collectively(self, job: SaveJob) -> None:
         rngs = self._gather(job.rng)
         if self.cfg.format == "dcp":
             self._write_dcp(job, rngs)
@@ -154,29 +205,31 @@ class CheckpointWriter:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _state_files(self, job: SaveJob, rngs: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
-        """state.json's content and the tensors that go with it (optimizer + every rank's RNG)."""
-        tensors = dict(job.state_tensors)
-        sink = tensors.__setitem__
+    def _state_json(self, job: SaveJob, rngs: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """state.json's content and every rank's RNG tensors (the last tensors of the state file)."""
+        rng_tensors: dict[str, torch.Tensor] = {}
+        sink = rng_tensors.__setitem__
         state = {"step": job.step, "aliases": job.aliases, **job.state_plain,
                  "rng": [to_plain(r, sink, f"rng/{i}") for i, r in enumerate(rngs)]}
-        return state, tensors
+        return state, rng_tensors
 
     def _write_rank0(self, job: SaveJob, rngs: list[dict]) -> None:
         name = layout.step_name(job.step)
         tmp = self.root / f"{layout.TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
-        state, state_tensors = self._state_files(job, rngs)
-        files = {layout.MODEL_FILE: write_safetensors(tmp / layout.MODEL_FILE, job.model_tensors,
-                                                      {"format": "pt", "podtrain": __version__}),
-                 layout.STATE_FILE: write_safetensors(tmp / layout.STATE_FILE, state_tensors)}
+        state, rng_tensors = self._state_json(job, rngs)
+        stream = job.stream
+        model = write_safetensors_stream(tmp / layout.MODEL_FILE, stream.specs[layout.MODEL_FILE],
+                                         stream.chunks(layout.MODEL_FILE),
+                                         {"format": "pt", "podtrain": __version__})
+        specs = stream.specs[layout.STATE_FILE] + [spec_of(n, t) for n, t in rng_tensors.items()]
+        chunks = itertools.chain(stream.chunks(layout.STATE_FILE), tensor_chunks(rng_tensors.values()))
+        files = {layout.MODEL_FILE: model,
+                 layout.STATE_FILE: write_safetensors_stream(tmp / layout.STATE_FILE, specs, chunks)}
         self._finish(job, tmp, state, files)
 
     def _write_dcp(self, job: SaveJob, rngs: list[dict]) -> None:
-        """format=dcp: every rank writes a share of the tensors, rank 0 finishes the directory."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
+        """format=dcp: every rank writes its share as one shard, rank 0 finishes the directory."""
         name = layout.step_name(job.step)
         tmp = self.root / f"{layout.TMP_PREFIX}{name}-dcp"  # every rank must know the name
         shards = tmp / layout.DCP_SUBDIR
@@ -189,27 +242,23 @@ class CheckpointWriter:
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
         error = self._broadcast(error)
-        state, state_tensors = self._state_files(job, rngs)
-        if not error:
-            tensors = {f"model/{k}": v for k, v in job.model_tensors.items()}
-            tensors.update({f"state/{k}": v for k, v in state_tensors.items() if not k.startswith("rng/")})
+        state, rng_tensors = self._state_json(job, rngs)
+        records: dict[str, FileRecord] = {}
+        if not error and job.stream is not None:
             try:
-                writer = HuggingFaceStorageWriter(str(shards), save_distributed=True)
-                with warnings.catch_warnings():  # one process: DCP warns that it saves alone
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.save(tensors, storage_writer=writer, process_group=self.group,
-                             no_dist=self.group is None)
+                for rel, specs in job.stream.specs.items():
+                    records[rel] = write_safetensors_stream(tmp / rel, specs, job.stream.chunks(rel),
+                                                            dcp_shard_metadata(specs))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         # Every rank's share is on disk (or someone failed) before rank 0 seals the directory.
-        error = next((e for e in self._gather(error) if e), None)
+        reports = self._gather((error, records))
+        error = next((e for e, _ in reports if e), None)
         if self.ctx.is_main and not error:
             try:
-                rng_tensors = {k: v for k, v in state_tensors.items() if k.startswith("rng/")}
                 files = {layout.STATE_FILE: write_safetensors(tmp / layout.STATE_FILE, rng_tensors)}
-                for shard in sorted(shards.iterdir()):
-                    rel = f"{layout.DCP_SUBDIR}/{shard.name}"
-                    files[rel] = FileRecord(bytes=shard.stat().st_size, sha256=sha256_file(shard))
+                for _, shard_records in reports:
+                    files.update(shard_records)
                 fsync_dir(shards)
                 self._finish(job, tmp, state, files)
             except Exception as exc:
