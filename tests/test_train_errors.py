@@ -1,5 +1,7 @@
 """`podtrain train` on bad data: one line naming the culprit, exit code 2, in one process."""
 
+import json
+
 import pytest
 
 from podtrain.cli import main
@@ -46,8 +48,8 @@ def test_one_process_trains_and_writes_its_config(capsys, data, tmp_path, repo, 
     monkeypatch.chdir(repo)
     code, _ = train(capsys, data, tmp_path, "train.steps=3", "log.every=1", "eval.every=0")
     assert code == 0
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3 and (tmp_path / "run" / "config.yaml").is_file()
+    kinds = [json.loads(x)["kind"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["train"] * 3 + ["goodput"] and (tmp_path / "run" / "config.yaml").is_file()
 
 
 def _train_with_rank_local_mistake(rank, world, good, bad, run_dir):

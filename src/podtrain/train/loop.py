@@ -36,10 +36,15 @@ from podtrain.errors import UserError
 from podtrain.metrics import MetricsWriter, Progress, max_memory_bytes, peak_flops, setup_logging
 from podtrain.model import build_model, model_size
 from podtrain.monitor import StragglerMonitor
+from podtrain.ckpt.interval import SaveSchedule
 from podtrain.train.evaluate import evaluate
-from podtrain.train.optim import build_optimizer, lr_at, set_lr
+from podtrain.train.goodput import GoodputClock
+from podtrain.train.guard import Guard, StepJudge, weights_finite
+from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
+from podtrain.train.recovery import restore_checkpoint, roll_back
+from podtrain.train.resume import tokenizer_identity
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
 from podtrain.train.step import Stepper
@@ -132,6 +137,9 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         self.progress: Progress | None = None
         self.result = TrainResult(step=0)
+        self.clock = GoodputClock(time.time())
+        self.guard: Guard | None = None
+        self.saves: SaveSchedule | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -155,17 +163,19 @@ class Trainer:
             self._verify_data(self.loader.manifest)
         check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
-        check_replicas(self.model, ctx, before_ddp=False)
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
                                cfg.train.grad_clip, ctx.world_size,
                                cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
-                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view)
+                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view,
+                               judge=StepJudge(cfg.guard, ctx.device) if cfg.guard.enabled else None)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
         self._setup_checkpoints()
         self._setup_straggler_monitor()
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
+        if ctx.is_main:
+            self.clock.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=ctx.is_main)
         self._log_start()
 
@@ -222,14 +232,9 @@ class Trainer:
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
-        state = self.checkpointer.restore(self.model, self.optimizer, self.stepper.scaler)
-        if state is not None:
-            self.step = int(state["step"])
-            self.tokens_seen = int(state["tokens_seen"])
-            self.run_id = state.get("run_id", self.run_id)
-            self.loader.load_state_dict(state["loader"])
-            log.info("resumed from step %d (epoch %d, %d samples consumed)", self.step,
-                     self.loader.epoch, self.loader.consumed)
+        restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
+        self.saves = SaveSchedule(self.cfg.ckpt, self.step)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
 
     def _start_watchdog(self) -> None:
@@ -268,18 +273,22 @@ class Trainer:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", self.step, total)
         interval = _Interval(time.perf_counter())
+        self.clock.start_steps()
         while self.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
+            self.guard.skip_data(self.loader)
+            start = self.loader.consumed
             batch = self.loader.next()
-            set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
-                                         cfg.optim.warmup_steps, total))
+            set_lr(self.optimizer, schedule_lr(cfg.optim, self.step, total))
             t0 = time.perf_counter()
             self.stepper.step(batch.micro_batches)
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             step_s = time.perf_counter() - t0
             interval.add(batch.wait_s)
+            self.guard.note(self.step, start, batch.consumed)
+            self.clock.step_done(self.step)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
@@ -291,8 +300,8 @@ class Trainer:
                 self._log_interval(interval)
                 interval = _Interval(time.perf_counter())
             if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self._evaluate())
-            if self.checkpointer.should_save(self.step, total):
+                interval.exclude(self.clock.add("eval", self._evaluate()))
+            if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self._summary()
         return self.result
@@ -303,8 +312,12 @@ class Trainer:
         return self.stop_signal.should_stop(self.ctx)
 
     def _summary(self) -> None:
-        """Rank 0's closing lines: final losses against the corpus's unigram entropy."""
-        if not self.ctx.is_main or self.result.final_loss is None:
+        """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
+        if not self.ctx.is_main:
+            return
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
+        self.progress.note(self.clock.summary_line())
+        if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
         val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
@@ -316,8 +329,11 @@ class Trainer:
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: "_Interval") -> None:
         loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
-        if not math.isfinite(loss):
+        if not math.isfinite(loss) and not self.cfg.guard.enabled:
             raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
+        skipped = [s for s, bad in zip(range(self.step - len(self.stepper.stats.skipped) + 1, self.step + 1),
+                                       self.stepper.stats.skipped) if bad]
+        self.clock.skipped(skipped)
         elapsed = interval.elapsed(time.perf_counter())
         steps = interval.steps
         tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
@@ -336,10 +352,16 @@ class Trainer:
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
+        record.update(self.clock.record(), skipped_steps=len(skipped),
+                      skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)
-        self.result.final_loss = loss
+        self.result.final_loss = loss if math.isfinite(loss) else self.result.final_loss
         self.result.step = self.step
+        self.saves.check_grace(self.checkpointer.last_save)
+        plan = self.guard.review(skipped, self.step, self.loader.order)
+        if plan is not None:
+            roll_back(self, plan)
 
     def _observe_straggler(self, step_s: float, wait_s: float) -> None:
         """Feed this step's host-side times to the straggler monitor; every N steps it compares
@@ -363,13 +385,20 @@ class Trainer:
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "run_id": self.run_id, "config": to_dict(self.cfg)}
+                "run_id": self.run_id, "config": to_dict(self.cfg),
+                "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
 
     def _save(self) -> float:
+        if self.cfg.guard.enabled and not weights_finite(self.model):
+            raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
+                            "checkpoint stays the newest); lower optim.lr")
         t0 = time.perf_counter()
         self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
                                self.train_state())
-        return time.perf_counter() - t0
+        stall = self.clock.add("save_stall", time.perf_counter() - t0)
+        if self.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
+            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.clock.step_seconds())))
+        return stall
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
@@ -381,6 +410,7 @@ class Trainer:
                     "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
                     since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
                     REQUEUE_EXIT_CODE)
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
