@@ -59,7 +59,7 @@ def bare_seconds(nbytes: int, iters: int, warmup: int) -> float:
 
 def tool_seconds(ctx, nbytes: int, iters: int, warmup: int) -> float:
     """Seconds per call as ``podtrain bench collectives`` measures them (averaged across ranks)."""
-    from podtrain.tools.collectives import BenchOptions, run_benchmark
+    from podtrain.diagnostics.collectives import BenchOptions, run_benchmark
 
     opts = BenchOptions(ops=["all_reduce"], sizes=[nbytes], iters=iters, warmup=warmup)
     rec = run_benchmark(ctx, opts)[0]
@@ -94,7 +94,7 @@ def rank_main(rank, world, port, args, queue):
 
 
 def parse_sizes(text: str) -> list[int]:
-    from podtrain.tools.collectives import parse_size
+    from podtrain.diagnostics.busbw import parse_size
 
     return [parse_size(s) for s in text.split(",")]
 
@@ -120,7 +120,7 @@ def main() -> None:
     for proc in procs:
         proc.join()
 
-    from podtrain.tools.collectives import busbw_gbps, format_size
+    from podtrain.diagnostics.busbw import busbw_gbps, format_size
 
     print(f"2 ranks, gloo over loopback, float32, {args.rounds} alternating rounds of "
           f"{args.iters} iterations; torch {torch.__version__}; load average "

@@ -8,10 +8,12 @@ import math
 import pytest
 import torch
 
+from fault_plugin import podtrain_faults as faults
 from multirank import run_ranks
 from podtrain.cli import main as cli_main
+from podtrain.diagnostics import busbw as B
+from podtrain.diagnostics import collectives as C
 from podtrain.errors import UserError
-from podtrain.tools import collectives as C
 
 FIELDS = {"op", "bytes", "time_s", "algbw_gbps", "busbw_gbps", "wrong", "world_size"}
 
@@ -19,50 +21,52 @@ FIELDS = {"op", "bytes", "time_s", "algbw_gbps", "busbw_gbps", "wrong", "world_s
 # --- pure ----------------------------------------------------------------------------------------
 
 def test_bus_factors_follow_nccl_tests():
-    assert C.bus_factor("all_reduce", 4) == pytest.approx(1.5)
-    assert C.bus_factor("all_reduce", 2) == pytest.approx(1.0)
+    assert B.bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert B.bus_factor("all_reduce", 2) == pytest.approx(1.0)
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
-        assert C.bus_factor(op, 4) == pytest.approx(0.75)
-    assert C.bus_factor("broadcast", 8) == 1.0
+        assert B.bus_factor(op, 4) == pytest.approx(0.75)
+    assert B.bus_factor("broadcast", 8) == 1.0
     # 1 GB in 0.5 s on 8 ranks: algbw 2 GB/s, all_reduce busbw 2 * 2 * 7/8 = 3.5 GB/s
-    assert C.algbw_gbps(10**9, 0.5) == pytest.approx(2.0)
-    assert C.busbw_gbps("all_reduce", 10**9, 0.5, 8) == pytest.approx(3.5)
+    assert B.algbw_gbps(10**9, 0.5) == pytest.approx(2.0)
+    assert B.busbw_gbps("all_reduce", 10**9, 0.5, 8) == pytest.approx(3.5)
     with pytest.raises(UserError):
-        C.bus_factor("gather", 2)
+        B.bus_factor("gather", 2)
 
 
 def test_sizes_and_counts():
-    assert C.parse_size("1K") == 1024 and C.parse_size("64M") == 64 << 20
-    assert C.parse_size("1G") == 1 << 30 and C.parse_size("512") == 512
-    assert C.parse_size("4KiB") == 4096
+    assert B.parse_size("1K") == 1024 and B.parse_size("64M") == 64 << 20
+    assert B.parse_size("1G") == 1 << 30 and B.parse_size("512") == 512
+    assert B.parse_size("4KiB") == 4096
     with pytest.raises(UserError):
-        C.parse_size("lots")
-    assert C.message_sizes(1024, 8192, 2) == [1024, 2048, 4096, 8192]
-    assert C.message_sizes(1 << 10, 1 << 30, 2)[-1] == 1 << 30
-    assert C.message_sizes(4096, 4096, 2) == [4096]
+        B.parse_size("lots")
+    assert B.message_sizes(1024, 8192, 2) == [1024, 2048, 4096, 8192]
+    assert B.message_sizes(1 << 10, 1 << 30, 2)[-1] == 1 << 30
+    assert B.message_sizes(4096, 4096, 2) == [4096]
     with pytest.raises(UserError):
-        C.message_sizes(8192, 1024, 2)
+        B.message_sizes(8192, 1024, 2)
     # all_gather on 3 ranks: 1 KiB of fp32 = 256 elements, rounded down to 255 = 3 x 85
-    assert C.element_counts("all_gather", 1024, 4, 3) == (255, 85)
-    assert C.element_counts("all_reduce", 1024, 4, 3) == (256, 256)
-    assert C.format_size(64 << 20) == "64M" and C.format_size(1536) == "1.5K"
+    assert B.element_counts("all_gather", 1024, 4, 3) == (255, 85)
+    assert B.element_counts("all_reduce", 1024, 4, 3) == (256, 256)
+    assert B.format_size(64 << 20) == "64M" and B.format_size(1536) == "1.5K"
 
 
 def test_sum_table_and_tolerance():
     for n in (1, 2, 4, 11, 13, 30):
         brute = [sum((3 * r + k) % 11 for r in range(n)) for k in range(11)]
-        assert C.sum_table(n).tolist() == brute
-    assert C.tolerance("all_gather", torch.bfloat16, 64) == 0.0  # data movement is exact
-    assert C.tolerance("all_reduce", torch.bfloat16, 8) == 0.0  # sums <= 80 are exact in bf16
-    assert C.tolerance("all_reduce", torch.bfloat16, 64) > 0.0
-    assert C.tolerance("all_reduce", torch.int32, 1000) == 0.0
+        assert B.sum_table(n).tolist() == brute
+    assert B.tolerance("all_gather", torch.bfloat16, 64) == 0.0  # data movement is exact
+    assert B.tolerance("all_reduce", torch.bfloat16, 8) == 0.0  # sums <= 80 are exact in bf16
+    assert B.tolerance("all_reduce", torch.bfloat16, 64) > 0.0
+    assert B.tolerance("all_reduce", torch.int32, 1000) == 0.0
 
 
 def test_split_groups():
-    assert C.split_groups([0, 0, 1, 1]) == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
-    assert C.split_groups([0, 1, 1, 0])["inter"] == [[0, 1], [2, 3]]
+    assert B.split_groups([0, 0, 1, 1]) == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
+    # Interleaved nodes: node 0 holds ranks 0 and 3, node 1 ranks 1 and 2.
+    assert B.split_groups([0, 1, 1, 0]) == {"intra": [[0, 3], [1, 2]], "inter": [[0, 1], [2, 3]]}
+    assert B.split_groups([5, 5, 5]) == {"intra": [[0, 1, 2]], "inter": [[0], [1], [2]]}
     with pytest.raises(UserError):
-        C.split_groups([0, 0, 1])
+        B.split_groups([0, 0, 1])
 
 
 def test_min_busbw_uses_each_ops_largest_size():
@@ -96,7 +100,7 @@ def _check_arithmetic(rec):
     n = rec["world_size"]
     assert rec["algbw_gbps"] == pytest.approx(rec["bytes"] / rec["time_s"] / 1e9)
     assert rec["busbw_gbps"] == pytest.approx(
-        rec["bytes"] / rec["time_s"] / 1e9 * C.bus_factor(rec["op"], n))
+        rec["bytes"] / rec["time_s"] / 1e9 * B.bus_factor(rec["op"], n))
     assert rec["time_min_s"] <= rec["time_s"] <= rec["time_max_s"]
 
 
@@ -109,8 +113,8 @@ def test_every_op_correct_and_json(tmp_path, world):
     assert [code for code, _ in results] == [0] * world
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["op"], r["bytes"]) for r in records] == [
-        (op, C.element_counts(op, size, 4, world)[0] * 4)
-        for op in C.OPS for size in (1024, 8192, 65536)]
+        (op, B.element_counts(op, size, 4, world)[0] * 4)
+        for op in B.OPS for size in (1024, 8192, 65536)]
     for rec in records:
         assert FIELDS <= set(rec)
         assert rec["wrong"] == 0 and rec["world_size"] == world and rec["group"] == "world"
@@ -118,11 +122,12 @@ def test_every_op_correct_and_json(tmp_path, world):
         _check_arithmetic(rec)
 
 
-def test_corrupted_result_is_reported_wrong(tmp_path, capfd):
+def test_corrupted_result_is_reported_wrong(tmp_path, capfd, monkeypatch):
     out = tmp_path / "bench.jsonl"
     argv = ["--ops", "reduce_scatter,all_gather", "--min-bytes", "4K", "--max-bytes", "4K",
             "--iters", "2", "--warmup", "0", "--json", str(out)]
-    results = run_ranks(_bench, 2, argv, env={C.CORRUPT_VAR: "reduce_scatter"})
+    faults.install("corrupt:op=reduce_scatter", patch=monkeypatch.setattr)  # forked ranks inherit
+    results = run_ranks(_bench, 2, argv)
     assert [code for code, _ in results] == [1, 1]
     by_op = {r["op"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert by_op["reduce_scatter"]["wrong"] == 2  # one element on each of the 2 ranks
@@ -131,9 +136,12 @@ def test_corrupted_result_is_reported_wrong(tmp_path, capfd):
     assert "reduce_scatter 4K (world): 2 wrong element(s)" in capfd.readouterr().err
 
 
-def test_intra_inter_groups_with_a_two_node_layout():
+def test_intra_inter_groups_with_a_two_node_layout(monkeypatch):
     argv = ["--ops", "all_reduce,broadcast", "--min-bytes", "16K", "--max-bytes", "16K",
             "--iters", "2", "--warmup", "0", "--groups", "intra,inter"]
+    # Rank 3 sleeps 50 ms before each call: its groups ([2, 3] within nodes, [1, 3] across) are
+    # the slowest by far more than a loaded machine's jitter on a 16K message.
+    faults.install("slow-collective:rank=3,delay=0.05", patch=monkeypatch.setattr)
     results = run_ranks(_bench, 4, argv, [0, 0, 1, 1])
     records = results[0][1]
     assert records == results[3][1]  # every rank returns the same records
@@ -144,8 +152,8 @@ def test_intra_inter_groups_with_a_two_node_layout():
     for rec in records:
         assert rec["wrong"] == 0
         _check_arithmetic(rec)
-    assert records[2]["slowest_group"] in ([0, 1], [2, 3])
-    assert records[4]["slowest_group"] in ([0, 2], [1, 3])
+    assert [r.get("slowest_group") for r in records] == [
+        None, None, [2, 3], [2, 3], [1, 3], [1, 3]]
 
 
 def test_min_busbw_fails_the_run(capfd):
@@ -157,9 +165,10 @@ def test_min_busbw_fails_the_run(capfd):
     assert "FAIL: all_reduce 4K" in err and "< --min-busbw 1e+06" in err, err
 
 
-def test_memory_short_on_one_rank_stops_every_rank(capfd):
+def test_memory_short_on_one_rank_stops_every_rank(capfd, monkeypatch):
     argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "1"]
-    results = run_ranks(_bench, 2, argv, env={C.LOW_MEMORY_VAR: "1"}, timeout=60)
+    faults.install("low-memory:rank=1", patch=monkeypatch.setattr)
+    results = run_ranks(_bench, 2, argv, timeout=60)
     assert [code for code, _ in results] == [2, 2]  # rank 0 stops too: no hang in a collective
     err = capfd.readouterr().err
     assert err.count("more than rank 1 on host ") == 2 and "rank 0 on host" not in err

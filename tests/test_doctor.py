@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+from fault_plugin import podtrain_faults as faults
 from multirank import run_ranks
 from podtrain.cli import main as cli_main
+from podtrain.diagnostics import checks as D
 from podtrain.distributed.env import ClusterEnv
-from podtrain.tools import doctor as D
 
 HOST = ClusterEnv.detect().hostname
 FAST = ["--allreduce-bytes", "64K", "--matmul-size", "256", "--backend", "gloo"]
@@ -77,12 +78,13 @@ def test_healthy_two_ranks_pass(tmp_path, capfd):
     assert list((tmp_path / "run").iterdir()) == []  # the probe files are cleaned up
 
 
-def test_slow_rank_is_named_and_fails(tmp_path, capfd):
-    # The slowed rank's best matmul trial takes >= 1.5x its own device time: against the 2-rank
-    # median that is +20% when the other rank measures its device well. A 5% limit still names it
-    # when the other rank's best trial is up to ~35% slow from sharing the cores.
+def test_slow_rank_is_named_and_fails(tmp_path, capfd, monkeypatch):
+    # The slowed rank reports 1.5x its best matmul trial: against the 2-rank median that is +20%
+    # when the other rank measures its device well. A 5% limit still names it when the other
+    # rank's best trial is up to ~35% slow from sharing the cores.
     argv = ["--run-dir", str(tmp_path), *FAST, "--slow-threshold", "0.05"]
-    assert run_ranks(_doctor, 2, argv, env={D.SLOW_RANK_VAR: "1"}) == [1, 1]
+    faults.install("slow-rank:rank=1,factor=1.5", patch=monkeypatch.setattr)  # ranks inherit it
+    assert run_ranks(_doctor, 2, argv) == [1, 1]
     out = capfd.readouterr().out
     assert f"[FAIL] compute    rank 1 on host {HOST} is " in out
     assert f"doctor: FAIL (1 check(s)): compute: rank 1 on host {HOST}" in out

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from multirank import run_ranks
-from podtrain.monitor import StragglerMonitor, find_straggler
+from podtrain.train.stragglers import StragglerMonitor, find_straggler
 
 
 def test_find_straggler_against_the_median():
@@ -42,7 +42,7 @@ def _sleepy_rank(rank, world, data_slow):
     """Rank 1 sleeps SLOW_S more per step, in its data loading or in its compute; no sync in a
     step."""
     capture = _Capture()
-    logging.getLogger("podtrain.monitor").addHandler(capture)
+    logging.getLogger("podtrain.train.stragglers").addHandler(capture)
     with _ctx() as ctx:
         monitor = StragglerMonitor(ctx, every=3, threshold=0.10)
         reports = []

@@ -23,8 +23,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("launch", "k8s"): ("podtrain.launch.k8s", "write a Kubernetes PyTorchJob manifest"),
     ("sample",): ("podtrain.sample", "generate text from a run's latest weights"),
     ("export",): ("podtrain.export", "write a Hugging Face model folder from a run"),
-    ("bench", "collectives"): ("podtrain.tools.collectives", "measure collectives' bandwidth"),
-    ("doctor",): ("podtrain.tools.doctor", "preflight checks of a cluster before a long run"),
+    ("bench", "collectives"): ("podtrain.diagnostics.collectives", "measure collectives' bandwidth"),
+    ("doctor",): ("podtrain.diagnostics.doctor", "preflight checks of a cluster before a long run"),
 }
 
 

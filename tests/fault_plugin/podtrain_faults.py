@@ -3,6 +3,11 @@
 ``PODTRAIN_TEST_FAULTS`` holds ``NAME:key=value,key=value;NAME:...``; each NAME is a function
 registered with ``@fault`` that patches podtrain from outside (no production code reads test
 variables). ``fault_env`` returns an environment that activates them in child processes.
+
+Tests whose ranks are forked from the pytest process (``multirank.run_ranks``) install the same
+faults in that process with ``install(spec, patch=monkeypatch.setattr)``: the forked ranks inherit
+the patch, and pytest undoes it after the test. A fault that targets one rank reads the rank when
+it fires, so the patch may be installed before the ranks exist.
 """
 
 from __future__ import annotations
@@ -13,18 +18,22 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 PLUGIN_DIR = Path(__file__).resolve().parent
 VARIABLE = "PODTRAIN_TEST_FAULTS"
 log = logging.getLogger("podtrain.faults")
 
-_FAULTS: dict[str, Callable[[dict[str, str]], None]] = {}
+# How a fault replaces an attribute: setattr in a child process, monkeypatch.setattr in pytest.
+Patch = Callable[[Any, str, Any], None]
+Installer = Callable[[dict[str, str], Patch], None]
+_FAULTS: dict[str, Installer] = {}
 
 
 def fault(name: str):
-    """Register an installer for the fault ``name``: it receives the spec's key=value pairs."""
-    def register(fn: Callable[[dict[str, str]], None]) -> Callable[[dict[str, str]], None]:
+    """Register an installer for the fault ``name``: it receives the spec's key=value pairs and
+    the function that sets an attribute (``patch(owner, name, value)``)."""
+    def register(fn: Installer) -> Installer:
         _FAULTS[name] = fn
         return fn
     return register
@@ -41,10 +50,10 @@ def parse(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def install(spec: str) -> None:
-    """Install every fault named in ``spec`` in this process."""
+def install(spec: str, patch: Patch = setattr) -> None:
+    """Install every fault named in ``spec`` in this process, setting attributes with ``patch``."""
     for name, args in parse(spec):
-        _FAULTS[name](args)
+        _FAULTS[name](args, patch)
 
 
 def fault_env(spec: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -97,7 +106,7 @@ class StepFault:
         return True
 
 
-def _at_step_boundary(plan: StepFault) -> None:
+def _at_step_boundary(plan: StepFault, patch: Patch) -> None:
     """Run ``plan`` where the training loop asks whether to stop (once per step boundary)."""
     from podtrain.train import loop
 
@@ -107,14 +116,90 @@ def _at_step_boundary(plan: StepFault) -> None:
         plan.maybe_fire(self.ctx.rank, self.step)
         return original(self, *a, **kw)
 
-    loop.Trainer._should_stop = patched
+    patch(loop.Trainer, "_should_stop", patched)
 
 
 @fault("kill")
-def _kill(args: dict[str, str]) -> None:
-    _at_step_boundary(StepFault.from_args("kill", args))
+def _kill(args: dict[str, str], patch: Patch) -> None:
+    _at_step_boundary(StepFault.from_args("kill", args), patch)
 
 
 @fault("term-parent")
-def _term_parent(args: dict[str, str]) -> None:
-    _at_step_boundary(StepFault.from_args("term-parent", args))
+def _term_parent(args: dict[str, str], patch: Patch) -> None:
+    _at_step_boundary(StepFault.from_args("term-parent", args), patch)
+
+
+# -- diagnostics: a wrong collective result, a rank short of memory, a slow rank ----------------
+@fault("corrupt")
+def _corrupt(args: dict[str, str], patch: Patch) -> None:
+    """``corrupt:op=OP[+OP...]`` (or ``op=all``): the result check of those ops in ``podtrain
+    bench collectives`` sees one element that no pattern produces, on every rank."""
+    from podtrain.diagnostics import cases
+
+    ops = set(filter(None, args.get("op", "all").split("+")))
+    original = cases.Case.check
+
+    def check(self, tol):
+        if self.op in ops or "all" in ops:
+            self.output.view(-1)[0] = -7  # the pattern's values are 0..10 and their sums
+        return original(self, tol)
+
+    patch(cases.Case, "check", check)
+
+
+@fault("low-memory")
+def _low_memory(args: dict[str, str], patch: Patch) -> None:
+    """``low-memory:rank=R``: rank R's device reports no free memory to the collectives
+    benchmark's memory check."""
+    from podtrain.diagnostics import collectives
+
+    rank = int(args["rank"])
+    original = collectives.available_bytes
+
+    def available_bytes(device):
+        return 0 if _rank() == rank else original(device)
+
+    patch(collectives, "available_bytes", available_bytes)
+
+
+@fault("slow-collective")
+def _slow_collective(args: dict[str, str], patch: Patch) -> None:
+    """``slow-collective:rank=R[,delay=S]``: rank R sleeps S (0.05) seconds before every call of
+    every collective ``podtrain bench collectives`` measures, as behind a slow link; the ranks
+    of its groups wait for it."""
+    import time
+
+    from podtrain.diagnostics import collectives
+
+    rank, delay = int(args["rank"]), float(args.get("delay", 0.05))
+    original = collectives.build_case
+
+    def build_case(*a, **kw):
+        case = original(*a, **kw)
+        if _rank() == rank:
+            call = case.call
+
+            def slow_call():
+                time.sleep(delay)
+                return call()
+
+            case.call = slow_call
+        return case
+
+    patch(collectives, "build_case", build_case)
+
+
+@fault("slow-rank")
+def _slow_rank(args: dict[str, str], patch: Patch) -> None:
+    """``slow-rank:rank=R[,factor=F]``: the doctor's matmul timer on rank R reports F (1.5) times
+    the time it measured, as a device that much slower would."""
+    from podtrain.diagnostics import doctor
+
+    rank, factor = int(args["rank"]), float(args.get("factor", 1.5))
+    original = doctor.matmul_seconds
+
+    def matmul_seconds(ctx, *a, **kw):
+        seconds, flops = original(ctx, *a, **kw)
+        return (seconds * factor if ctx.rank == rank else seconds), flops
+
+    patch(doctor, "matmul_seconds", matmul_seconds)

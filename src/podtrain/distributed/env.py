@@ -208,12 +208,6 @@ def launcher_variables(environ: Mapping[str, str] | None = None, prefixes: tuple
     return {k: v for k, v in sorted(env.items()) if k.startswith(prefixes)}
 
 
-def env_flag(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Read one podtrain variable (``PODTRAIN_*``), the sanctioned way for other modules."""
-    env = os.environ if environ is None else environ
-    return env.get(name)
-
-
 def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
     """Each rank's share of this machine's cores (at least 1): the rule ``cap_cpu_threads`` and
     the launchers apply, so ranks never oversubscribe the cores."""

@@ -133,9 +133,11 @@ def dns_label(text: str, limit: int = 50) -> str:
     return name[:limit].rstrip("-") or "podtrain"
 
 
-def add_job_arguments(parser: "argparse.ArgumentParser", unit: str, shipped_in: str) -> None:
-    """The options both cluster launchers share: the config, overrides and each ``unit``'s shape
-    (``unit`` is "node" for Slurm, "pod" for Kubernetes)."""
+def add_job_arguments(parser: "argparse.ArgumentParser", unit: str, shipped_in: str,
+                      max_restarts: int) -> None:
+    """The options both cluster launchers share: the config, overrides, each ``unit``'s shape
+    (``unit`` is "node" for Slurm, "pod" for Kubernetes) and torchrun's restarts and rendezvous
+    wait (``max_restarts``: the launcher's default)."""
     parser.add_argument("config", help=f"YAML training config (validated now, shipped in {shipped_in})")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--nodes", type=int, required=True, help=f"{unit}s to run (one torchrun each)")
@@ -143,5 +145,9 @@ def add_job_arguments(parser: "argparse.ArgumentParser", unit: str, shipped_in: 
                         help=f"GPUs per {unit} (0: CPU only, then give --nproc-per-node)")
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help=f"training processes per {unit} (default: one per GPU)")
+    parser.add_argument("--max-restarts", type=int, default=max_restarts,
+                        help=f"torchrun restarts of the worker group after a failure (default {max_restarts})")
+    parser.add_argument("--join-timeout", type=int, default=600,
+                        help=f"seconds torchrun waits for all {unit}s at rendezvous (default 600)")
     parser.add_argument("--instance-type", default=None,
                         help="preset filling GPUs and EFA devices, e.g. p5.48xlarge, p4d.24xlarge")

@@ -45,7 +45,7 @@ MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``podtrain launch k8s``."""
-    add_job_arguments(parser, "pod", "a ConfigMap")
+    add_job_arguments(parser, "pod", "a ConfigMap", max_restarts=3)
     parser.add_argument("--min-nodes", type=int, default=None,
                         help="elastic minimum of worker pods (default: --nodes)")
     parser.add_argument("--efa", type=int, default=None,
@@ -59,10 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pvc", default=None, help="shared-storage claim (e.g. FSx) for the run")
     parser.add_argument("--mount", default="/fsx", help="where the claim is mounted (default /fsx)")
     parser.add_argument("--shm-size", default="32Gi", help="memory-backed /dev/shm size (default 32Gi)")
-    parser.add_argument("--max-restarts", type=int, default=3,
-                        help="torchrun restarts of the worker group (default 3)")
-    parser.add_argument("--join-timeout", type=int, default=600,
-                        help="seconds torchrun waits for all pods at rendezvous (default 600)")
     parser.add_argument("--hyperpod", action="store_true",
                         help="HyperPod job auto-resume annotations and healthy-node affinity")
     parser.add_argument("--max-retry", type=int, default=10,

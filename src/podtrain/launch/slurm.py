@@ -45,7 +45,7 @@ HYPERPOD_MARKER = "/opt/sagemaker_cluster"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``podtrain launch slurm``."""
-    add_job_arguments(parser, "node", "the script")
+    add_job_arguments(parser, "node", "the script", max_restarts=0)
     parser.add_argument("--partition", default=None, help="Slurm partition")
     parser.add_argument("--account", default=None, help="Slurm account")
     parser.add_argument("--time", default=None, help="time limit, e.g. 2-00:00:00 or 90")
@@ -60,10 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default USR1@120); the run checkpoints and exits on it")
     parser.add_argument("--requeue", action="store_true",
                         help="let Slurm requeue the job after preemption or node failure")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="torchrun restarts of the worker group after a failure (default 0)")
-    parser.add_argument("--join-timeout", type=int, default=600,
-                        help="seconds torchrun waits for all nodes at rendezvous (default 600)")
     parser.add_argument("--request-gpus", action="store_true",
                         help="also request the GPUs as GRES (#SBATCH --gpus-per-node)")
     parser.add_argument("--output", "-o", default="-",

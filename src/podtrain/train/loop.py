@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
 from podtrain.data.manifest import verify_shards
@@ -33,10 +34,11 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.recorder import register_recording_hook
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
-from podtrain.metrics import MetricsWriter, Progress, max_memory_bytes, peak_flops, setup_logging
 from podtrain.model import build_model, model_size
-from podtrain.monitor import StragglerMonitor
-from podtrain.ckpt.interval import SaveSchedule
+from podtrain.observe.console import Progress, setup_logging
+from podtrain.observe.hardware import max_memory_bytes, peak_flops
+from podtrain.observe.metrics import MetricsWriter
+from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.guard import Guard, StepJudge, weights_finite
@@ -44,8 +46,8 @@ from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, roll_back
-from podtrain.train.resume import tokenizer_identity
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
+from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
 from podtrain.train.step import Stepper
 

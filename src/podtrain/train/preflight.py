@@ -16,7 +16,7 @@ from podtrain.config import RunConfig, accumulation_steps
 from podtrain.data.loader import SampleIndex
 from podtrain.data.manifest import check_vocab, read_manifest
 from podtrain.model import check_fits, estimate_params, preset_config, round_up
-from podtrain.metrics import device_memory_bytes
+from podtrain.observe.hardware import device_memory_bytes
 
 
 @dataclass

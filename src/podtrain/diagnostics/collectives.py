@@ -20,6 +20,9 @@ slowest.
 reduce_scatter runs natively on every backend of torch 2.13 (gloo included, CPU tensors); an older
 torch whose gloo lacks it gets an all_reduce followed by taking this rank's slice, marked
 ``impl: "all_reduce+slice"`` in the record (its busbw is then not the native one).
+
+This module runs the benchmark over scopes, ops and sizes, judges and prints the records, and holds
+the CLI; the arithmetic is in ``busbw``, one checked and timed (op, size) in ``cases``.
 """
 
 from __future__ import annotations
@@ -27,300 +30,28 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from podtrain.distributed.env import ClusterEnv, env_flag
+from podtrain.diagnostics.busbw import (OPS, algbw_gbps, buffer_bytes, busbw_gbps, format_size,
+                                        message_sizes, parse_size, split_groups, tolerance)
+from podtrain.diagnostics.cases import build_case, measure, native_collective
+from podtrain.distributed.env import ClusterEnv
 from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
 }
 GROUP_KINDS = ("intra", "inter")
-# Test-only: corrupt one element of these ops' checked result (comma list, or "all").
-CORRUPT_VAR = "PODTRAIN_TEST_CORRUPT"
-# Test-only: this rank sees no free memory, so the memory check refuses the run.
-LOW_MEMORY_VAR = "PODTRAIN_TEST_LOW_MEMORY_RANK"
-
-# The check pattern: rank r holds (3r + i) mod 11 at index i. Small integers stay exact in every
-# dtype for sums over up to 23 ranks (bf16's 8-bit mantissa), and the rank-dependent offset makes a
-# chunk from the wrong rank visible.
-_MOD = 11
-_CHUNK = 1 << 24  # elements per fill/check slice, which bounds the check's extra memory
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure arithmetic (tested without processes)
-# ---------------------------------------------------------------------------------------------
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``1K``, ``64M``, ``1G``, ``512`` or ``4KiB`` as bytes (binary multiples: 1K = 1024)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UserError(f"size {text!r} is not a number of bytes such as 1K, 64M or 1G")
-    scale = 1024 ** " KMGT".index((match[2] or " ").upper())
-    return int(float(match[1]) * scale)
-
-
-def format_size(nbytes: int) -> str:
-    """Bytes in the largest binary unit that keeps an integer when possible (``64M``)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
-    return f"{nbytes}B"
-
-
-def message_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    """Sizes from ``min_bytes`` to ``max_bytes`` (inclusive), each ``factor`` times the last."""
-    if min_bytes < 1 or max_bytes < min_bytes:
-        raise UserError(f"--min-bytes {min_bytes} and --max-bytes {max_bytes}: "
-                        "need 1 <= min <= max")
-    if factor <= 1 and max_bytes > min_bytes:
-        raise UserError(f"--factor {factor} must be greater than 1")
-    sizes, size = [], float(min_bytes)
-    while size <= max_bytes * (1 + 1e-9):
-        sizes.append(int(round(size)))
-        if factor <= 1:
-            break
-        size *= factor
-    return sizes
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw/algbw ratio for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op == "broadcast":
-        return 1.0
-    raise UserError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-
-
-def algbw_gbps(nbytes: int, time_s: float) -> float:
-    """Algorithm bandwidth in GB/s (1e9 bytes per second)."""
-    return nbytes / time_s / 1e9 if time_s > 0 else 0.0
-
-
-def busbw_gbps(op: str, nbytes: int, time_s: float, n: int) -> float:
-    """Bus bandwidth in GB/s: algbw times ``bus_factor(op, n)``."""
-    return algbw_gbps(nbytes, time_s) * bus_factor(op, n)
-
-
-def element_counts(op: str, nbytes: int, elem_size: int, n: int) -> tuple[int, int]:
-    """``(total, per_rank)`` element counts for a message of about ``nbytes``.
-
-    ``total`` is what the reported bytes count (see the module docstring); for the ops that split
-    the message into ``n`` chunks it is rounded down to a multiple of ``n`` (at least ``n``).
-    """
-    total = max(1, nbytes // elem_size)
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        per_rank = max(1, total // n)
-        return per_rank * n, per_rank
-    return total, total
-
-
-def buffer_bytes(op: str, nbytes: int, n: int) -> int:
-    """Device memory one rank holds for one case of ``op`` (input + output), in bytes."""
-    if op in ("all_reduce", "broadcast"):
-        return nbytes
-    return nbytes + (nbytes // n if op in ("all_gather", "reduce_scatter") else nbytes)
-
-
-def split_groups(node_of_rank: list[int]) -> dict[str, list[list[int]]]:
-    """Intra-node groups (the ranks of each node) and inter-node groups (one rank per node, the
-    ranks with the same index within their node), from each rank's node id."""
-    nodes: dict[int, list[int]] = {}
-    for rank, node in enumerate(node_of_rank):
-        nodes.setdefault(node, []).append(rank)
-    members = list(nodes.values())
-    if len({len(m) for m in members}) > 1:
-        sizes = {node: len(m) for node, m in nodes.items()}
-        raise UserError(f"--groups needs the same number of ranks on every node; got {sizes}")
-    per_node = len(members[0])
-    # Sorted, because a group's rank order is its members' sorted global ranks.
-    inter = [sorted(m[i] for m in members) for i in range(per_node)]
-    return {"intra": members, "inter": inter}
-
-
-# ---------------------------------------------------------------------------------------------
-# One op on one message size
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Case:
-    """Buffers and the call for one (op, size): ``call()`` runs the collective once."""
-
-    op: str
-    call: Callable[[], Any]
-    output: torch.Tensor
-    expected: Callable[[torch.Tensor], torch.Tensor]  # global output index -> expected values
-    nbytes: int
-    impl: str = "native"
-    reset: Callable[[], None] = lambda: None  # put the buffers in their timing state
-
-
-def _fill(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``t[i] = fn(i)`` slice by slice, so no index tensor of the full size is ever built."""
-    flat = t.view(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        stop = min(start + _CHUNK, flat.numel())
-        idx = torch.arange(start, stop, device=t.device, dtype=torch.int64)
-        flat[start:stop] = fn(idx).to(t.dtype)
-    return t
-
-
-def _pattern(rank: int | torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    return (3 * rank + idx) % _MOD
-
-
-def sum_table(n: int) -> torch.Tensor:
-    """``T[k] = sum over ranks r < n of (3r + k) mod 11``: the all-reduced pattern at index k.
-
-    The terms repeat every 11 ranks, so whole periods are counted, not summed rank by rank.
-    """
-    k = torch.arange(_MOD, dtype=torch.int64)
-    full, rest = divmod(n, _MOD)
-    table = torch.zeros(_MOD, dtype=torch.int64)
-    for r in range(_MOD if full else 0):
-        table += full * ((3 * r + k) % _MOD)
-    for r in range(rest):
-        table += (3 * r + k) % _MOD
-    return table
-
-
-def tolerance(op: str, dtype: torch.dtype, n: int) -> float:
-    """Largest acceptable error of a checked element.
-
-    Data movement must be exact. A sum of n pattern values (each <= 10) is exact too while it
-    stays below the dtype's largest exact integer (256 for bf16, 2048 for fp16); beyond that,
-    allow each of the n additions to round.
-    """
-    if op not in ("all_reduce", "reduce_scatter") or not dtype.is_floating_point:
-        return 0.0
-    eps = torch.finfo(dtype).eps
-    largest_sum = (_MOD - 1) * n
-    return 0.0 if largest_sum <= 2 / eps else eps * largest_sum * n
-
-
-def count_wrong(out: torch.Tensor, expected: Callable[[torch.Tensor], torch.Tensor],
-                tol: float) -> int:
-    """Elements of ``out`` further than ``tol`` from ``expected(index)``, slice by slice."""
-    flat = out.view(-1)
-    wrong = 0
-    for start in range(0, flat.numel(), _CHUNK):
-        stop = min(start + _CHUNK, flat.numel())
-        idx = torch.arange(start, stop, device=out.device, dtype=torch.int64)
-        diff = (flat[start:stop].double() - expected(idx).double()).abs()
-        wrong += int((~(diff <= tol)).sum())  # NaN counts as wrong
-    return wrong
-
-
-def _native(name: str, old: str) -> Callable[..., Any] | None:
-    # torch 2.13 renamed the *_tensor collectives to *_single; older releases have only the old.
-    return getattr(dist, name, None) or getattr(dist, old, None)
-
-
-def build_case(op: str, nbytes: int, dtype: torch.dtype, device: torch.device, group: Any,
-               rank: int, n: int, src: int, fallback_rs: bool = False) -> Case:
-    """Allocate and fill the buffers of ``op`` for a message of about ``nbytes``.
-
-    ``rank`` is this rank's index in ``group`` (n ranks); ``src`` the global rank broadcasting.
-    """
-    es = torch.empty((), dtype=dtype).element_size()
-    total, per = element_counts(op, nbytes, es, n)
-    mk = lambda count, fill: torch.full((count,), fill, dtype=dtype, device=device)  # noqa: E731
-    if op == "all_reduce":
-        buf = _fill(mk(total, 0), lambda i: _pattern(rank, i))
-        table = sum_table(n).to(device)
-        return Case(op, lambda: dist.all_reduce(buf, group=group), buf,
-                    lambda i: table[i % _MOD], total * es,
-                    # in place: zeros keep repeated sums finite (no overflow to inf in fp16)
-                    reset=buf.zero_)
-    if op == "broadcast":
-        # Non-source ranks start at -1 so a message that never arrived is seen as wrong.
-        buf = _fill(mk(total, 0), lambda i: _pattern(0, i)) if rank == 0 else mk(total, -1)
-        return Case(op, lambda: dist.broadcast(buf, src=src, group=group), buf,
-                    lambda i: _pattern(0, i), total * es)
-    if op == "all_gather":
-        inp = _fill(mk(per, 0), lambda i: _pattern(rank, i))
-        out = mk(total, -1)
-        gather = _native("all_gather_single", "all_gather_into_tensor")
-        return Case(op, lambda: gather(out, inp, group=group), out,
-                    lambda i: _pattern(i // per, i % per), total * es)
-    if op == "reduce_scatter":
-        inp = _fill(mk(total, 0), lambda i: _pattern(rank, i))
-        out = mk(per, -1)
-        table = sum_table(n).to(device)
-        expected = lambda i: table[(rank * per + i) % _MOD]  # noqa: E731
-        if fallback_rs:
-            def call() -> None:
-                tmp = inp.clone()
-                dist.all_reduce(tmp, group=group)
-                out.copy_(tmp[rank * per:(rank + 1) * per])
-            return Case(op, call, out, expected, total * es, impl="all_reduce+slice")
-        scatter = _native("reduce_scatter_single", "reduce_scatter_tensor")
-        return Case(op, lambda: scatter(out, inp, group=group), out, expected, total * es)
-    if op == "all_to_all":
-        inp = _fill(mk(total, 0), lambda i: _pattern(rank, i))
-        out = mk(total, -1)
-        return Case(op, lambda: dist.all_to_all_single(out, inp, group=group), out,
-                    lambda i: _pattern(i // per, rank * per + i % per), total * es)
-    raise UserError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
-
-
-def _sync(device: torch.device) -> None:
-    # Collectives on an accelerator are asynchronous: time only what has finished.
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
-def _corrupted(op: str) -> bool:
-    flag = env_flag(CORRUPT_VAR) or ""
-    names = {s.strip() for s in flag.split(",") if s.strip()}
-    return op in names or "all" in names
-
-
-def measure(case: Case, device: torch.device, tol: float, iters: int, warmup: int,
-            group: Any) -> tuple[float, int]:
-    """Check one result of ``case``, then time it: ``(seconds per call, wrong elements)``.
-
-    Every rank of ``group`` must call this at the same point. The timed loop is the bare call
-    in a Python loop, one device sync at the end: the same work a hand-written loop does.
-    """
-    case.call()
-    _sync(device)
-    if _corrupted(case.op):
-        case.output.view(-1)[0] = -7  # test-only: a value no pattern produces
-    wrong = count_wrong(case.output, case.expected, tol)
-    case.reset()
-    for _ in range(warmup):
-        case.call()
-    _sync(device)
-    dist.barrier(group=group)
-    call = case.call
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    _sync(device)
-    return (time.perf_counter() - start) / max(1, iters), wrong
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +109,7 @@ def _scopes(ctx: Any, kinds: list[str], node_of_rank: list[int] | None) -> list[
 def _reduce_scatter_native(device: torch.device, group: Any) -> bool:
     """Whether this backend runs reduce_scatter itself (a capability of the backend, so every
     rank gets the same answer; the probe is a one-element collective)."""
-    scatter = _native("reduce_scatter_single", "reduce_scatter_tensor")
+    scatter = native_collective("reduce_scatter_single", "reduce_scatter_tensor")
     n = dist.get_world_size(group)
     try:
         scatter(torch.zeros(1, device=device), torch.zeros(n, device=device), group=group)
@@ -400,12 +131,9 @@ def check_memory(ctx: Any, opts: BenchOptions) -> None:
     Free memory differs by node (and by device), so each rank judges its own and the verdicts are
     gathered: every rank raises the same UserError, naming the rank(s) and host(s) short of
     memory, rather than only those ranks stopping while the others wait in the next collective.
-    ``PODTRAIN_TEST_LOW_MEMORY_RANK=R`` makes rank R see no free memory (tests only).
     """
     need = max(buffer_bytes(op, max(opts.sizes), ctx.world_size) for op in opts.ops)
-    avail = _available_bytes(ctx.device)
-    if (env_flag(LOW_MEMORY_VAR) or "").strip() == str(ctx.rank):
-        avail = 0
+    avail = available_bytes(ctx.device)
     share = None if avail is None else avail // max(1, ctx.env.local_world_size)
     # Keep a quarter back for the check's temporaries and everything else on the node.
     mine = share if share is not None and need > share * 0.75 else None
@@ -420,7 +148,9 @@ def check_memory(ctx: Any, opts: BenchOptions) -> None:
             f"more than {where} can hold; lower --max-bytes")
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: the GPU's free bytes, or this host's MemAvailable on CPU (None
+    when unknown)."""
     if device.type != "cpu":
         try:
             free, _ = torch.cuda.mem_get_info(device)

@@ -1,4 +1,4 @@
-"""Honest throughput numbers: tokens/s, MFU, memory; metrics.jsonl and the rank-0 console.
+"""What the hardware can do: peak FLOP/s for MFU, a matmul timer, and memory (peak and total).
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s per device / peak FLOP/s per device, with
 FLOPs per token from ``podtrain.model.model_size`` (6 x matmul params + 12 x layers x hidden x
@@ -9,20 +9,13 @@ threads. When none applies, MFU is null rather than a guess.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import resource
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from podtrain.distributed.group import accelerator_memory_bytes, accelerator_name, peak_allocated_bytes
-
-log = logging.getLogger("podtrain")
 
 # Dense peak FLOP/s per device by (name fragment, precision). fp32 means plain FP32 (no TF32).
 PEAK_FLOPS: dict[tuple[str, str], float] = {
@@ -45,14 +38,13 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
 
 
 def best_matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, budget_s: float = 0.3,
-                        trial_s: float = 0.001, slowdown: float = 0.0) -> float:
+                        trial_s: float = 0.001) -> float:
     """Seconds of one ``size`` x ``size`` matmul on ``device``: the best of many ~1 ms trials.
 
     A trial shorter than a scheduler time slice usually runs uninterrupted, so the best one
     measures the device rather than the other processes sharing its cores; a device that is slow
-    all the time is slow in every trial. ``slowdown`` (the doctor's test fault) sleeps that
-    fraction of each trial. The operands come from a private generator: the global RNG belongs
-    to training and its checkpointed state.
+    all the time is slow in every trial. The operands come from a private generator: the global
+    RNG belongs to training and its checkpointed state.
     """
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=device, dtype=dtype)
@@ -70,8 +62,6 @@ def best_matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, bud
         for _ in range(reps):
             a @ b
         sync()
-        if slowdown:
-            time.sleep(slowdown * (time.perf_counter() - start))
         best = min(best, (time.perf_counter() - start) / reps)
         trials += 1
     return best
@@ -113,93 +103,3 @@ def device_memory_bytes(device: torch.device, local_world_size: int) -> int | No
     except (ValueError, OSError):
         return None
     return total // max(1, local_world_size)
-
-
-class MetricsWriter:
-    """Appends one JSON object per line to RUN_DIR/metrics.jsonl (rank 0 only).
-
-    Each line is flushed and fsynced on its own so a killed run keeps every interval it logged.
-    """
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path = path
-        self.enabled = enabled
-        self._fh = None
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (rank 0; a no-op elsewhere)."""
-        if self._fh is None:
-            return
-        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        """Close the file."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-class Progress:
-    """Rank 0's console: a rich progress bar in a terminal, plain log lines otherwise."""
-
-    def __init__(self, mode: str, total_steps: int, start_step: int, enabled: bool):
-        if mode == "auto":
-            mode = "rich" if sys.stdout.isatty() else "plain"
-        self.mode = mode if enabled else "off"
-        self._bar = None
-        if self.mode == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
-            from rich.progress import TextColumn, TimeRemainingColumn
-
-            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
-            self._bar.start()
-
-    def update(self, record: dict[str, Any]) -> None:
-        """Show one interval's record."""
-        text = format_record(record)
-        if self.mode == "rich":
-            self._bar.update(self._task, completed=record["step"], info=text)
-        elif self.mode == "plain":
-            log.info("step %d %s", record["step"], text)
-
-    def note(self, message: str) -> None:
-        """A line printed above the bar (evaluation results, checkpoints)."""
-        if self.mode == "rich":
-            self._bar.console.print(message)
-        elif self.mode == "plain":
-            log.info("%s", message)
-
-    def close(self) -> None:
-        """Stop the bar."""
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-
-def format_record(r: dict[str, Any]) -> str:
-    """The one-line human summary of a metrics record."""
-    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
-    return (f"loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.3f} | "
-            f"{r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | step {1000 * r['step_time_s']:.0f} ms | "
-            f"data wait {1000 * r['data_wait_s']:.1f} ms")
-
-
-def setup_logging(rank: int) -> None:
-    """INFO from global rank 0; WARNING and above from the others, prefixed with their rank."""
-    prefix = "podtrain" if rank == 0 else f"podtrain rank {rank}"
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[{prefix}] %(levelname)s %(message)s"
-                                           if rank else f"[{prefix}] %(message)s"))
-    root = logging.getLogger("podtrain")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    root.propagate = False
-    # transformers' and torch's chatter stays out of the run's log unless it is a real problem.
-    logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -12,49 +12,39 @@ same exit code (0 healthy, 1 a check failed), and each failure names the host an
 * rendezvous: MASTER_ADDR:MASTER_PORT reachable before the group forms, then a barrier's time;
 * all_reduce: one checked all_reduce (element by element) and its busbw;
 * compute: a matmul benchmark per rank; a rank more than ``--slow-threshold`` (10%) slower
-  than the median fails. ``PODTRAIN_TEST_SLOW_RANK=R`` slows rank R (tests only).
+  than the median fails.
 
 One process works too: the cross-rank checks then report that they had nothing to compare.
+This module gathers the facts, runs the probes that talk to other ranks and holds the CLI; the
+verdicts over the gathered facts are in ``checks``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from podtrain.distributed.env import ClusterEnv, env_flag, launcher_variables
+from podtrain.diagnostics.checks import (FAIL, INFO, OK, Check, check_compute, check_efa,
+                                         check_gpus, check_network, check_run_dir, check_versions,
+                                         culprit_names)
+from podtrain.distributed.env import ClusterEnv, launcher_variables
+from podtrain.distributed.placement import ipv4_of
 from podtrain.errors import UserError
-from podtrain.metrics import best_matmul_seconds
-
-SLOW_RANK_VAR = "PODTRAIN_TEST_SLOW_RANK"
-OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
-
-
-@dataclass
-class Check:
-    """One line of the report; ``culprits`` are the ``{"rank", "host"}`` at fault."""
-
-    name: str
-    status: str
-    detail: str
-    culprits: list[dict[str, Any]] = field(default_factory=list)
-
+from podtrain.observe.hardware import best_matmul_seconds
 
 # ---------------------------------------------------------------------------------------------
 # Facts one rank gathers about itself (no collectives)
@@ -68,16 +58,6 @@ def _nccl_version() -> str | None:
     except Exception:
         pass
     return None
-
-
-def _ipv4(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (Linux SIOCGIFADDR), or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            return socket.inet_ntoa(packed[20:24])
-    except OSError:
-        return None
 
 
 def _read(path: Path) -> str | None:
@@ -97,7 +77,7 @@ def network_interfaces() -> list[dict[str, Any]]:
                     "mtu": _read(base / "mtu"),
                     "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit()
                     and int(speed) > 0 else None,
-                    "ipv4": _ipv4(name)})
+                    "ipv4": ipv4_of(name)})
     return out
 
 
@@ -131,132 +111,6 @@ def local_facts(env: ClusterEnv) -> dict[str, Any]:
         "interfaces": network_interfaces(),
     }
 
-
-# ---------------------------------------------------------------------------------------------
-# Checks (pure: they read the gathered facts, so every rank reaches the same verdict)
-# ---------------------------------------------------------------------------------------------
-
-
-def _who(fact: dict[str, Any]) -> dict[str, Any]:
-    return {"rank": fact["rank"], "host": fact["host"]}
-
-
-def _names(culprits: list[dict[str, Any]]) -> str:
-    return ", ".join(f"rank {c['rank']} on host {c['host']}" for c in culprits)
-
-
-def _per_host(facts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One fact set per host (its lowest rank's): host-wide facts are checked once per host."""
-    seen: dict[str, dict[str, Any]] = {}
-    for f in facts:
-        seen.setdefault(f["host"], f)
-    return list(seen.values())
-
-
-def check_versions(facts: list[dict[str, Any]]) -> Check:
-    """torch, CUDA and NCCL identical on every rank (rank 0's are the reference)."""
-    keys = ("torch", "cuda", "nccl")
-    ref = facts[0]
-    odd = [f for f in facts if any(f[k] != ref[k] for k in keys)]
-    desc = f"torch {ref['torch']}, CUDA {ref['cuda'] or 'none'}, NCCL {ref['nccl'] or 'none'}"
-    if odd:
-        diffs = "; ".join(f"rank {f['rank']} on host {f['host']} has " + ", ".join(
-            f"{k} {f[k]}" for k in keys if f[k] != ref[k]) for f in odd)
-        return Check("versions", FAIL, f"rank 0 has {desc}; {diffs}", [_who(f) for f in odd])
-    return Check("versions", OK, f"{desc} on every rank")
-
-
-def check_gpus(facts: list[dict[str, Any]], expected: int | None, backend: str) -> Check:
-    """GPUs found on each host against ``expected`` and against its local ranks (for nccl)."""
-    bad = []
-    for f in _per_host(facts):
-        if expected is not None and f["gpus"] != expected:
-            bad.append((f, expected))
-        elif expected is None and backend == "nccl" and f["gpus"] < f["local_world_size"]:
-            bad.append((f, f["local_world_size"]))  # one GPU per local rank at least
-    if bad:
-        detail = "; ".join(f"host {f['host']} (rank {f['rank']}) has {f['gpus']} GPU(s), "
-                           f"expected {want}" for f, want in bad)
-        return Check("gpus", FAIL, detail, [_who(f) for f, _ in bad])
-    counts = sorted({f["gpus"] for f in facts})
-    if counts == [0]:
-        return Check("gpus", INFO, "no GPU on any host (a CPU run)")
-    return Check("gpus", OK, f"{'/'.join(map(str, counts))} GPU(s) per host")
-
-
-def check_efa(facts: list[dict[str, Any]], expect_efa: bool) -> Check:
-    """EFA devices present where expected, and FI_PROVIDER=efa not set on a host without them."""
-    hosts = _per_host(facts)
-    missing = [f for f in hosts if not f["efa"]["devices"]]
-    # FI_PROVIDER=efa on a host without the device is a misconfiguration even when not expected.
-    culprits = [_who(f) for f in missing
-                if expect_efa or (f["fi_provider"] or "").lower() == "efa"]
-    if culprits:
-        return Check("efa", FAIL, "no EFA/RDMA device in /sys/class/infiniband (NCCL would fall "
-                     f"back to TCP sockets) on {_names(culprits)}", culprits)
-    first = hosts[0]
-    devices = ",".join(first["efa"]["devices"]) or "none"
-    fi = {None: "fi_info absent", True: "fi_info sees efa", False: "fi_info sees no efa"}[
-        first["efa"]["fi_info_efa"]]
-    return Check("efa", OK if first["efa"]["devices"] else INFO,
-                 f"devices {devices} ({fi}); FI_PROVIDER={first['fi_provider'] or 'unset'}")
-
-
-def check_network(facts: list[dict[str, Any]]) -> Check:
-    """Interfaces of rank 0's host; a *_SOCKET_IFNAME naming no interface of its host fails."""
-    bad = []
-    for f in facts:  # the variables are per rank, even if the interfaces are per host
-        names = {i["name"] for i in f["interfaces"]}
-        for var, value in f["socket_ifnames"].items():
-            # NCCL accepts prefixes and ^exclusions; only a plain list of names is checked.
-            wanted = [v for v in value.split(",") if v and not v.startswith(("^", "="))]
-            if wanted and not any(w in names or any(n.startswith(w) for n in names)
-                                  for w in wanted):
-                bad.append((f, f"{var}={value} but host {f['host']} (rank {f['rank']}) has "
-                            f"{sorted(names)}"))
-    if bad:
-        return Check("network", FAIL, "; ".join(msg for _, msg in bad), [_who(f) for f, _ in bad])
-    up = [i for i in facts[0]["interfaces"] if i["state"] in ("up", "unknown")]
-    desc = ", ".join(f"{i['name']}({i['ipv4'] or '-'}, mtu {i['mtu']}"
-                     + (f", {i['speed_mbps']} Mb/s" if i["speed_mbps"] else "") + ")" for i in up)
-    return Check("network", OK, f"host {facts[0]['host']}: {desc or 'no interface up'}")
-
-
-def check_run_dir(facts: list[dict[str, Any]], run_dir: str | None, world: int) -> Check:
-    """Every rank wrote its file, and every rank saw every rank's file."""
-    if run_dir is None:
-        return Check("run dir", INFO, "not checked (pass --run-dir)")
-    failed = [f for f in facts if f["run_dir"]["error"]]
-    if failed:
-        detail = "; ".join(f"rank {f['rank']} on host {f['host']}: {f['run_dir']['error']}"
-                           for f in failed)
-        return Check("run dir", FAIL, f"{run_dir} not writable: {detail}",
-                     [_who(f) for f in failed])
-    blind = [f for f in facts if len(f["run_dir"]["seen"]) < world]
-    if blind:
-        detail = "; ".join(f"rank {f['rank']} on host {f['host']} sees only ranks "
-                           f"{f['run_dir']['seen']}" for f in blind)
-        return Check("run dir", FAIL, f"{run_dir} is not shared by every node: {detail}",
-                     [_who(f) for f in blind])
-    return Check("run dir", OK, f"{run_dir} writable and shared by all {world} rank(s)")
-
-
-def check_compute(facts: list[dict[str, Any]], threshold: float) -> Check:
-    """A rank whose matmul time exceeds the median by more than ``threshold`` fails."""
-    times = [f["matmul_s"] for f in facts]
-    median = statistics.median(times)
-    slow = [f for f in facts if f["matmul_s"] > median * (1 + threshold)]
-    gflops = lambda f: f["matmul_flops"] / f["matmul_s"] / 1e9  # noqa: E731
-    med_gflops = facts[0]["matmul_flops"] / median / 1e9
-    if slow:
-        detail = "; ".join(
-            f"rank {f['rank']} on host {f['host']} is {100 * (f['matmul_s'] / median - 1):.0f}% "
-            f"slower than the median ({gflops(f):.1f} against {med_gflops:.1f} GFLOP/s)"
-            for f in slow)
-        return Check("compute", FAIL, detail, [_who(f) for f in slow])
-    spread = 100 * (max(times) / median - 1)
-    return Check("compute", OK, f"matmul {med_gflops:.1f} GFLOP/s median, slowest rank "
-                 f"+{spread:.0f}% (limit {100 * threshold:.0f}%)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,12 +175,11 @@ def barrier_time(ctx: Any, repeats: int = 5) -> float | None:
     return statistics.median(times)
 
 
-def matmul_seconds(ctx: Any, size: int, slow: bool, budget_s: float = 0.3) -> tuple[float, float]:
+def matmul_seconds(ctx: Any, size: int, budget_s: float = 0.3) -> tuple[float, float]:
     """``(seconds, flops)`` of one ``size`` x ``size`` matmul on this rank's device (fp32 on CPU,
-    bf16 on a GPU), timed by ``metrics.best_matmul_seconds``. ``slow`` (tests only) adds 50%."""
+    bf16 on a GPU), timed by ``observe.hardware.best_matmul_seconds``."""
     dtype = torch.float32 if ctx.device.type == "cpu" else torch.bfloat16
-    seconds = best_matmul_seconds(ctx.device, size, dtype, budget_s, slowdown=0.5 if slow else 0.0)
-    return seconds, 2.0 * size ** 3
+    return best_matmul_seconds(ctx.device, size, dtype, budget_s), 2.0 * size ** 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +219,7 @@ class DoctorReport:
         lines += [f"[{c.status:<4}] {c.name:<10} {c.detail}" for c in self.checks]
         if self.failed:
             lines.append(f"doctor: FAIL ({len(self.failed)} check(s)): " + "; ".join(
-                f"{c.name}: {_names(c.culprits) or c.detail}" for c in self.failed))
+                f"{c.name}: {culprit_names(c.culprits) or c.detail}" for c in self.failed))
         else:
             lines.append("doctor: OK")
         return "\n".join(lines)
@@ -379,10 +232,8 @@ def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
     barrier_s = barrier_time(ctx)
     allreduce = _allreduce_check(ctx, opts)
     size = opts.matmul_size or (512 if ctx.device.type == "cpu" else 4096)
-    slow_rank = (env_flag(SLOW_RANK_VAR) or "").strip()
     ctx.barrier()  # every rank benchmarks at the same time, as they will when training
-    facts["matmul_s"], facts["matmul_flops"] = matmul_seconds(ctx, size,
-                                                              slow=slow_rank == str(ctx.rank))
+    facts["matmul_s"], facts["matmul_flops"] = matmul_seconds(ctx, size)
     everyone = ctx.all_gather_object(facts)  # also: every rank has listed the run dir
     if ctx.is_main and probe_dir is not None:
         shutil.rmtree(probe_dir, ignore_errors=True)
@@ -392,7 +243,7 @@ def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
     for culprit in allreduce.culprits:
         culprit["host"] = hosts[culprit["rank"]]
     if allreduce.culprits:
-        allreduce.detail += f" on {_names(allreduce.culprits)}"
+        allreduce.detail += f" on {culprit_names(allreduce.culprits)}"
     checks = [
         check_versions(everyone), check_gpus(everyone, opts.gpus_per_node, ctx.backend),
         check_efa(everyone, opts.expect_efa), check_network(everyone),
@@ -403,13 +254,13 @@ def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
 
 
 def _allreduce_check(ctx: Any, opts: DoctorOptions) -> Check:
-    from podtrain.tools import collectives as C
+    from podtrain.diagnostics import busbw, collectives as C
 
     if not ctx.initialized:
         return Check("all_reduce", INFO, "one process: nothing to reduce")
     bench = C.BenchOptions(ops=["all_reduce"], sizes=[opts.allreduce_bytes], iters=5, warmup=2)
     rec = C.run_benchmark(ctx, bench)[0]
-    detail = (f"{C.format_size(rec['bytes'])} float32: busbw {rec['busbw_gbps']:.3f} GB/s, "
+    detail = (f"{busbw.format_size(rec['bytes'])} float32: busbw {rec['busbw_gbps']:.3f} GB/s, "
               f"{rec['time_s'] * 1e3:.2f} ms")
     if rec["wrong"]:
         return Check("all_reduce", FAIL, f"{rec['wrong']} wrong element(s) ({detail})",
@@ -448,7 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     """Validated options from the command line."""
-    from podtrain.tools.collectives import parse_size
+    from podtrain.diagnostics.busbw import parse_size
 
     if args.slow_threshold <= 0:
         raise UserError(f"--slow-threshold {args.slow_threshold} must be positive")
