@@ -245,3 +245,41 @@ def test_goodput_line_counts_the_steps_redone_after_a_kill(capsys, data, tmp_pat
     assert final["goodput_s"]["redone"] > 0 and final["goodput_s"]["restarts"] > 0
     assert 0 < final["goodput_pct"] < 100
     assert final["goodput_s"]["productive"] > final["goodput_attempt_s"]["productive"]  # both attempts
+
+
+# -- 6. health verdicts ------------------------------------------------------------------------------
+def test_verdicts_blame_nodes_by_the_rules(tmp_path):
+    import time
+
+    from podtrain.distributed import health
+    from podtrain.distributed.watchdog import Watchdog
+
+    exits = []
+    dog = Watchdog(tmp_path / "debug", rank=3, startup_timeout_s=0.2, step_timeout_s=0.2,
+                   host="n7", exit_grace_s=0, exit_fn=exits.append, run_dir=tmp_path).start()
+    dog.beat(4)
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [124]
+    health.write_verdict(tmp_path, "hang", "n8", 5, {"last_step": 5})  # a peer that got further
+    health.write_verdict(tmp_path, "straggler", "n2", 1, {"step": 10})
+    assert health.blamed_nodes(health.read_verdicts(tmp_path)) == ["n7"]  # one straggler report: noise
+    health.write_verdict(tmp_path, "straggler", "n2", 1, {"step": 20})
+    health.write_verdict(tmp_path, "doctor", "n9", 0, {"check": "compute"})
+    verdicts = health.read_verdicts(tmp_path)
+    hang = [v for v in verdicts if v["node"] == "n7"][0]
+    assert hang["kind"] == "hang" and hang["rank"] == 3 and hang["evidence"]["last_step"] == 4
+    assert health.blamed_nodes(verdicts) == ["n2", "n7", "n9"]
+
+
+def test_the_requeue_excludes_blamed_nodes(tmp_path, capsys):
+    from podtrain.distributed import health
+    from podtrain.launch.slurm import _after_preemption
+
+    health.write_verdict(tmp_path, "doctor", "n2", 1, {"check": "compute"})
+    assert health.main(["exclude", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "n2"
+    script = _after_preemption(True)
+    assert 'scontrol update jobid="$SLURM_JOB_ID" ExcNodeList="$BLAMED"' in script
+    assert script.index("scontrol requeue") < script.index("scontrol update")  # pending jobs only

@@ -189,6 +189,28 @@ def _slow_collective(args: dict[str, str], patch: Patch) -> None:
     patch(collectives, "build_case", build_case)
 
 
+@fault("slow-step")
+def _slow_step(args: dict[str, str], patch: Patch) -> None:
+    """``slow-step:rank=R[,delay=S]``: rank R sleeps S (0.3) seconds after each forward pass,
+    as a slow node computes: the others wait for it in the gradient sync, and the straggler
+    monitor names it. (After the forward: DDP's buffer broadcast at its start would absorb a
+    sleep before it into everyone's time alike.)"""
+    import time
+
+    from podtrain.train import step as step_module
+
+    rank, delay = int(args["rank"]), float(args.get("delay", 0.3))
+    original = step_module.micro_batch_loss_sum
+
+    def micro_batch_loss_sum(*a, **kw):
+        loss = original(*a, **kw)
+        if _rank() == rank:
+            time.sleep(delay)
+        return loss
+
+    patch(step_module, "micro_batch_loss_sum", micro_batch_loss_sum)
+
+
 @fault("slow-rank")
 def _slow_rank(args: dict[str, str], patch: Patch) -> None:
     """``slow-rank:rank=R[,factor=F]``: the doctor's matmul timer on rank R reports F (1.5) times

@@ -30,6 +30,7 @@ from podtrain.data.loader import ShardedLoader, unigram_entropy
 from podtrain.data.manifest import verify_shards
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
+from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import placement_line
 from podtrain.distributed.recorder import register_recording_hook
 from podtrain.distributed.watchdog import Watchdog
@@ -244,7 +245,7 @@ class Trainer:
         if self.cfg.monitor.watchdog:
             self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
                                      self.cfg.dist.timeout_s, recorder=self.ctx.recorder,
-                                     host=self.ctx.env.hostname).start()
+                                     host=self.ctx.env.hostname, run_dir=self.run_dir).start()
 
     def _setup_straggler_monitor(self) -> None:
         mcfg = self.cfg.monitor
@@ -372,6 +373,10 @@ class Trainer:
         report = self.straggler.maybe_report(self.step)
         if report:
             self._straggler_report = report
+            if report["straggler_rank"] is not None and self.ctx.is_main:  # for the scheduler
+                write_verdict(self.run_dir, "straggler", report["straggler_host"], report["straggler_rank"],
+                              {"step": self.step, "excess": report["straggler_excess"],
+                               "busy_by_rank": report["busy_by_rank"]})
 
     def _evaluate(self) -> float:
         t0 = time.perf_counter()
