@@ -67,10 +67,16 @@ def test_resume_applies_a_new_weight_decay_and_refuses_a_new_preset(capsys, data
     assert seen["groups"] == [(0.01, (0.9, 0.99), 1e-8), (0.0, (0.9, 0.99), 1e-8)]
     lines = [x for x in capsys.readouterr().out.splitlines() if "optimizer hyperparameters" in x]
     assert len(lines) == 1 and "optim.weight_decay 0.1 -> 0.01" in lines[0], lines
-    # A changed model is refused in one line naming the key and both values.
-    code, err, _ = train(capsys, data, run, "train.steps=4", "model.preset=gpt2-124m")
+    # A changed model is refused in one line naming the key and both values (another small
+    # model, given as a config.json: a big preset would cost seconds to build before the check).
+    from podtrain.model import preset_config
+
+    other = preset_config("tiny", 320)
+    other.intermediate_size *= 2
+    other.save_pretrained(tmp_path / "wider")
+    code, err, _ = train(capsys, data, run, "train.steps=4", f"model.preset={tmp_path / 'wider'}")
     assert code == 2 and len(err) == 1, err
-    assert "model.preset was 'tiny', now 'gpt2-124m'" in err[0] and "ckpt.allow_changes" in err[0]
+    assert f"model.preset was 'tiny', now '{tmp_path / 'wider'}'" in err[0] and "ckpt.allow_changes" in err[0]
 
 
 def test_math_changes_are_named_and_can_be_allowed(capsys, data, tmp_path, repo, monkeypatch):
