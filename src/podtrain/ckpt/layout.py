@@ -166,8 +166,18 @@ def file_problem(path: Path, manifest: dict[str, Any]) -> str | None:
 
 
 def check_files(path: Path, manifest: dict[str, Any]) -> None:
-    """Raise ``UserError`` unless this process sees the files ``manifest`` (another rank's) lists."""
-    problem = file_problem(path, manifest)
+    """Raise ``UserError`` unless this process reads the files ``manifest`` (another rank's) lists
+    with their SHA-256. Only reads are trusted: metadata queries (exists, is_file) of a shared file
+    system can be stale where the data is not."""
+    problem = None
+    for rel, rec in manifest["files"].items():
+        try:
+            if sha256_file(path / rel) != rec.get("sha256"):
+                problem = f"{rel} fails its SHA-256 check"
+        except FileNotFoundError:
+            problem = f"{rel} is missing"
+        if problem:
+            break
     if problem:
         raise UserError(f"checkpoint {path} as seen from this host: {problem} (a stale or "
                         "different view of the shared storage than rank 0's?)")
