@@ -46,7 +46,7 @@ from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
-from podtrain.train.recovery import restore_checkpoint, roll_back
+from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import REQUEUE_EXIT_CODE, StopSignal
@@ -334,9 +334,7 @@ class Trainer:
         loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
         if not math.isfinite(loss) and not self.cfg.guard.enabled:
             raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
-        skipped = [s for s, bad in zip(range(self.step - len(self.stepper.stats.skipped) + 1, self.step + 1),
-                                       self.stepper.stats.skipped) if bad]
-        self.clock.skipped(skipped)
+        skipped = skipped_steps(self)
         elapsed = interval.elapsed(time.perf_counter())
         steps = interval.steps
         tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
@@ -362,9 +360,7 @@ class Trainer:
         self.result.final_loss = loss if math.isfinite(loss) else self.result.final_loss
         self.result.step = self.step
         self.saves.check_grace(self.checkpointer.last_save)
-        plan = self.guard.review(skipped, self.step, self.loader.order)
-        if plan is not None:
-            roll_back(self, plan)
+        review_skipped_steps(self, skipped)
 
     def _observe_straggler(self, step_s: float, wait_s: float) -> None:
         """Feed this step's host-side times to the straggler monitor; every N steps it compares

@@ -51,3 +51,20 @@ def roll_back(trainer: Any, plan: Rollback) -> None:
     trainer.stepper.judge.reset()
     trainer.guard.rolled_back(plan, trainer.step, trainer.loader.consumed, trainer.loader.order)
     trainer.clock.redo_after_rollback = detected_at
+
+
+def skipped_steps(trainer: Any) -> list[int]:
+    """After ``StepStats.read``: the steps of the interval the guard skipped (their time is
+    booked as skipped)."""
+    flags = trainer.stepper.stats.skipped
+    first = trainer.step - len(flags) + 1
+    steps = [first + i for i, bad in enumerate(flags) if bad]
+    trainer.clock.skipped(steps)
+    return steps
+
+
+def review_skipped_steps(trainer: Any, skipped: list[int]) -> None:
+    """Let the guard judge the interval; roll back when it asks (it raises when it may not)."""
+    plan = trainer.guard.review(skipped, trainer.step, trainer.loader.order)
+    if plan is not None:
+        roll_back(trainer, plan)
