@@ -56,7 +56,7 @@ class SaveSchedule:
         seconds = young_daly_seconds(stall_s, self.cfg.mtbf_h * 3600.0)
         self.every = max(1, round(seconds / step_s)) if step_s > 0 else FIRST_AUTO_SAVE
         self.next_auto = step + self.every
-        log.info("ckpt.every=auto: a save stalls %.3f s, MTBF %.1f h -> save every %.0f s = %d steps "
+        log.info("ckpt.every=auto: a save stalls %.3f s, MTBF %.3g h -> save every %.3g s = %d steps "
                  "of %.3f s", stall_s, self.cfg.mtbf_h, seconds, self.every, step_s)
 
     def check_grace(self, last_save: dict[str, float]) -> None:
