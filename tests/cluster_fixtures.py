@@ -2,7 +2,8 @@
 
 Nothing here mocks a scheduler or a network. ``SlurmCluster`` starts Debian's munged, slurmctld and
 two slurmd daemons (node names n1 and n2, one CPU each) in a scratch directory with non-default
-ports, so several test sessions (or a developer's own Slurm) do not collide. ``NetnsPair`` joins two
+ports, so several test sessions (or a developer's own Slurm) do not collide (three nodes, n3 too,
+when a test needs a spare node to move to). ``NetnsPair`` joins two
 network namespaces with a veth pair: two separate network stacks, as two hosts would have.
 
 Both are context managers that clean up on every exit path. The pytest fixtures that use them live
@@ -94,9 +95,8 @@ SlurmdLogFile={root}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 PlugStackConfig={root}/plugstack.conf
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={node_ports[0]} CPUs=1 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={node_ports[1]} CPUs=1 State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -174,9 +174,13 @@ class SlurmCluster:
         for node in self.nodes:
             (self.root / "spool" / node).mkdir(exist_ok=True)
         ports = [free_port() for _ in range(len(self.nodes) + 1)]
+        node_lines = "\n".join(
+            f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs=1 State=UNKNOWN"
+            for node, port in zip(self.nodes, ports[1:]))
         self.conf.write_text(SLURM_CONF.format(
             host=socket.gethostname().split(".")[0], root=self.root, ctld_port=ports[0],
-            node_ports=ports[1:], sock=self.socket_dir))
+            node_ports=ports[1:], sock=self.socket_dir, node_lines=node_lines,
+            node_names=",".join(self.nodes)))
         (self.root / "plugstack.conf").write_text("")  # no SPANK plugins (pyxis) in tests
 
     def _start_munge(self) -> None:

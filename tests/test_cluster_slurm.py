@@ -1,15 +1,18 @@
 """A real Slurm cluster on this machine runs the batch script `podtrain launch slurm` wrote.
 
-munged, slurmctld and two slurmd (nodes n1, n2, one CPU each) start in a scratch directory with
+munged, slurmctld and three slurmd (nodes n1, n2, n3, one CPU each; the jobs use two) start in a scratch directory with
 their own ports (tests/cluster_fixtures.py). The script is submitted with `--submit` (real sbatch),
 srun starts one torchrun agent per node, they meet by c10d rendezvous at the address each node
 looked up with scontrol, and 2 ranks train the tiny model; midway one rank is SIGKILLed (torchrun
 restarts the group), then the job gets the preemption signal (checkpoint, requeue, resume) and
-completes. Skipped only where Slurm cannot be installed.
+completes. A second job shows the blame going back to the scheduler: a node the straggler monitor
+named in the first allocation is excluded from the requeued one. Skipped only where Slurm cannot
+be installed.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -19,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from fault_plugin.podtrain_faults import fault_env
 
 from cluster_fixtures import TINY_TRAINING, SlurmCluster, ensure_slurm_installed, prepare_data, read_metrics
 from podtrain.cli import main
@@ -31,11 +36,11 @@ JOB_TIMEOUT = 150
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A running two-node Slurm cluster, stopped after the module (also on failure)."""
+    """A running three-node Slurm cluster, stopped after the module (also on failure)."""
     reason = ensure_slurm_installed()
     if reason:
         pytest.skip(f"no Slurm: {reason}")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=("n1", "n2", "n3")) as c:
         yield c
 
 
@@ -141,3 +146,46 @@ def test_two_node_job_trains_survives_a_killed_rank_and_a_preemption(
     assert all(r["world_size"] == 2 for r in records)
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_a_node_blamed_in_the_first_allocation_is_not_in_the_second(
+        cluster, data, tmp_path, monkeypatch, capsys):
+    """Rank 1 is slow (a test fault sleeps in its steps): the straggler monitor writes verdicts
+    naming its node to RUN_DIR/health/; the preemption signal stops the job after a checkpoint and
+    the batch script excludes that node before it requeues; the job resumes on the other two."""
+    run_dir = tmp_path / "run"
+    faults = fault_env("slow-step:rank=1,delay=0.4")
+    for key in ("PYTHONPATH", "PODTRAIN_TEST_FAULTS"):
+        monkeypatch.setenv(key, faults[key])
+    job_id = submit(cluster, monkeypatch, capsys, run_dir, data, "--requeue",
+                    overrides=("train.steps=14", "ckpt.every=2", "monitor.straggler_every=2",
+                               "monitor.straggler_threshold=0.2"))
+    first_nodes = wait_until(lambda: _allocation(cluster, job_id), "an allocation", cluster, job_id)
+    wait_until(lambda: len(list((run_dir / "health").glob("*-straggler-*.json"))) >= 2,
+               "two straggler verdicts", cluster, job_id)
+    wait_until(lambda: len(worker_pids(job_id, run_dir)) == 2, "workers", cluster, job_id)
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True, timeout=10)
+    log = finish(cluster, job_id, run_dir)
+    # What the batch script excluded when it requeued (verdicts of the second allocation, whose
+    # slow rank 1 may sit on another node, came later and do not count).
+    excluded = set(re.search(r"the requeued job excludes the blamed node\(s\) (\S+)", log)[1].split(","))
+    verdicts = sorted((json.loads(p.read_text()) for p in (run_dir / "health").glob("*.json")),
+                      key=lambda v: v["time"])
+    starts = re.findall(r"podtrain: node (\d) of 2 \((n\d) ", log)
+    first, second = {n for _, n in starts[:2]}, {n for _, n in starts[2:]}
+    assert first == set(first_nodes) and excluded < first, (excluded, starts)
+    assert verdicts[0]["kind"] == "straggler" and verdicts[0]["rank"] == 1 and {verdicts[0]["node"]} == excluded
+    assert len(second) == 2 and not excluded & second, (f"excluded {excluded} but the second "
+                                                        f"allocation was {second}", log[-3000:])
+    records = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    assert records[-1]["step"] == 14 and records[-1]["goodput_s"]["restarts"] > 0
+
+
+def _allocation(cluster, job_id: str) -> list[str]:
+    """The nodes the job runs on (empty while pending)."""
+    nodelist = cluster.job(job_id).get("NodeList", "")
+    if not nodelist or nodelist == "(null)":
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=cluster.env,
+                         capture_output=True, text=True, timeout=10).stdout.split()
+    return out

@@ -12,12 +12,32 @@ from podtrain.train.optim import build_optimizer, lr_at
 
 
 def test_lr_warmup_then_cosine():
+    # Convention: lr for step s (0-based) of T steps; the warmup reaches the peak exactly at its
+    # last step (s = W - 1) and only there; the decay ends exactly at min_lr on the last step
+    # (s = T - 1). Here W = 10, T = 110: the cosine runs over steps 9 .. 109 (100 intervals).
     kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
     assert lr_at(0, **kw) == pytest.approx(0.1)
     assert lr_at(9, **kw) == pytest.approx(1.0)
-    assert lr_at(60, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(110, **kw) == pytest.approx(0.1)
+    assert lr_at(10, **kw) < 1.0  # the peak is used for one step, not two
+    assert lr_at(59, **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(108, **kw) > 0.1
+    assert lr_at(109, **kw) == 0.1  # the last step trains at min_lr exactly
     assert lr_at(500, **kw) == pytest.approx(0.1)  # past the end stays at min_lr
+    assert lr_at(0, 1.0, 0.1, 0, 5) == 1.0 and lr_at(4, 1.0, 0.1, 0, 5) == 0.1  # no warmup
+
+
+def test_wsd_extended_run_follows_the_longer_plan_until_its_decay():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+    short = [lr_at(s, total_steps=100, **kw) for s in range(100)]
+    planned = [lr_at(s, total_steps=300, **kw) for s in range(300)]
+    # The short run's decay starts after step 79 (its last 20 steps); stopped and extended to 300
+    # steps before then, it follows the 300-step plan exactly.
+    assert short[:80] == planned[:80]
+    assert planned[9] == 1.0 and planned[239] == 1.0 and planned[240] < 1.0 and planned[299] == 0.1
+    assert short[79] == 1.0 and short[99] == 0.1 and short[80] < 1.0
+    decay = planned[239:]
+    assert all(a > b for a, b in zip(decay, decay[1:]))  # linear, monotone to min_lr
+    assert lr_at(50, 1.0, 0.1, 10, 100, "constant") == 1.0
 
 
 def test_no_weight_decay_on_norms_biases_embeddings():

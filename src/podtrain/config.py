@@ -84,7 +84,7 @@ class TrainSection:
 
 @dataclass
 class OptimSection:
-    """AdamW and the learning-rate schedule (linear warmup, then cosine decay)."""
+    """AdamW and the learning-rate schedule (linear warmup, then cosine, WSD or constant)."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -92,6 +92,12 @@ class OptimSection:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 30
     """Steps of linear warmup from 0 to lr."""
+    schedule: str = "cosine"
+    """cosine (to min_lr at train.steps), wsd (warmup-stable-decay: lr until the last
+    decay_fraction of train.steps, then linear to min_lr; raise train.steps to extend a run before
+    its decay), or constant (lr after the warmup)."""
+    decay_fraction: float = 0.2
+    """wsd: the final fraction of train.steps spent decaying to min_lr."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms, biases, embeddings)."""
     beta1: float = 0.9
@@ -118,8 +124,14 @@ class EvalSection:
 class CkptSection:
     """Checkpoints under RUN_DIR/ckpt/ (rank 0 writes, every rank reads)."""
 
-    every: int = 100
-    """Save every N steps and at the end; 0 saves only at the end."""
+    every: int | str = 100
+    """Save every N steps and at the end; 0 saves only at the end; auto picks N from the measured
+    save stall and ckpt.mtbf_h (Young/Daly: sqrt(2 x stall x MTBF))."""
+    mtbf_h: float = 24.0
+    """ckpt.every=auto: expected hours between failures of the whole job."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Keys that alter the math (model.*, data.path, data.seq_len, data.tokenizer,
+    train.global_batch_size, run.seed) allowed to differ from the checkpoint's on resume."""
     keep_last: int = 3
     """Keep the newest K checkpoints; 0 keeps all."""
     keep_every: int = 0
@@ -206,6 +218,27 @@ class MonitorSection:
 
 
 @dataclass
+class GuardSection:
+    """Spike and non-finite guard: bad steps are not applied; repeated ones roll back."""
+
+    enabled: bool = True
+    """Skip steps whose gradient norm (or loss) is non-finite or spikes; off: a non-finite loss
+    stops the run at the next log line."""
+    spike_factor: float = 10.0
+    """A step whose gradient norm exceeds this multiple of the median of recent accepted norms is
+    skipped; 0 skips only non-finite steps."""
+    history: int = 32
+    """Accepted gradient norms the median is taken over (spikes are judged once it is full)."""
+    max_skips: int = 3
+    """This many skipped steps within guard.window steps roll back to the last checkpoint and
+    skip the data from the first skipped step on (recorded in RUN_DIR/skipped.jsonl)."""
+    window: int = 50
+    """Steps over which skipped steps are counted."""
+    max_rollbacks: int = 1
+    """Rollbacks a run may take (counted in RUN_DIR/skipped.jsonl); one more stops the run."""
+
+
+@dataclass
 class RunConfig:
     """The whole configuration of one training run."""
 
@@ -220,6 +253,7 @@ class RunConfig:
     dist: DistSection = field(default_factory=DistSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
 
 # Allowed values of string keys that act as enums, checked at load time.
@@ -230,7 +264,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "ckpt.format": ("safetensors", "dcp"),
     "model.memory_check": ("error", "warn", "off"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
 }
+
+
+# Keys whose change between a checkpoint and its resume changes what is being trained: refused
+# unless listed in ckpt.allow_changes (data.tokenizer is the data manifest's, not a config key).
+MATH_KEYS: tuple[str, ...] = ("model.preset", "model.vocab_size", "data.path", "data.seq_len",
+                              "data.tokenizer", "train.global_batch_size", "run.seed")
 
 
 def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
@@ -345,7 +386,12 @@ def _coerce(key: str, value: Any, ftype: Any) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
+        for member in inner[:-1]:  # e.g. ckpt.every: int | str takes 100 as an int, auto as text
+            try:
+                return _coerce(key, value, member)
+            except UserError:
+                continue
+        return _coerce(key, value, inner[-1])
     if isinstance(value, RawText):
         value = str(value) if ftype is str else _parse_yaml_scalar(value)
     if ftype is str and isinstance(value, bool) and "off" in CHOICES.get(key, ()):
@@ -399,13 +445,19 @@ def validate(cfg: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"config key {key!r} must be positive, got {value}")
+    if isinstance(cfg.ckpt.every, str) and cfg.ckpt.every != "auto":
+        raise UserError(f"config key 'ckpt.every' must be a number of steps or auto, got {cfg.ckpt.every!r}")
+    if not 0 < cfg.optim.decay_fraction <= 1:
+        raise UserError(f"config key 'optim.decay_fraction' must be in (0, 1], got {cfg.optim.decay_fraction}")
     non_negative = {
-        "eval.every": cfg.eval.every, "ckpt.every": cfg.ckpt.every, "optim.lr": cfg.optim.lr,
+        "eval.every": cfg.eval.every, "optim.lr": cfg.optim.lr,
+        "ckpt.every": cfg.ckpt.every if cfg.ckpt.every != "auto" else 0,
         "optim.min_lr": cfg.optim.min_lr, "optim.warmup_steps": cfg.optim.warmup_steps,
         "train.grad_clip": cfg.train.grad_clip, "ckpt.keep_every": cfg.ckpt.keep_every,
         "data.num_workers": cfg.data.num_workers, "monitor.straggler_every": cfg.monitor.straggler_every,
         "optim.weight_decay": cfg.optim.weight_decay,
-        "ckpt.keep_last": cfg.ckpt.keep_last,
+        "ckpt.keep_last": cfg.ckpt.keep_last, "guard.spike_factor": cfg.guard.spike_factor,
+        "ckpt.mtbf_h": cfg.ckpt.mtbf_h,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -416,6 +468,15 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(
             f"config key 'train.global_batch_size' ({cfg.train.global_batch_size}) is not a multiple of "
             f"'train.micro_batch_size' ({cfg.train.micro_batch_size})")
+    positive_guard = {"guard.history": cfg.guard.history, "guard.max_skips": cfg.guard.max_skips,
+                      "guard.window": cfg.guard.window}
+    for key, value in positive_guard.items():
+        if value <= 0:
+            raise UserError(f"config key {key!r} must be positive, got {value}")
+    for key in cfg.ckpt.allow_changes:
+        if key not in MATH_KEYS:
+            raise UserError(f"config key 'ckpt.allow_changes' lists {key!r}, which is not a key that "
+                            f"alters the math (one of {', '.join(MATH_KEYS)})")
     for name in cfg.ckpt.signals:
         signal_from_name(name, "config key 'ckpt.signals'")
     _validate_observe(cfg)

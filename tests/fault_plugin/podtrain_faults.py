@@ -255,14 +255,14 @@ def _slow_loader(args: dict[str, str], patch: Patch) -> None:
 
 @fault("slow-step")
 def _slow_step(args: dict[str, str], patch: Patch) -> None:
-    """``slow-step:rank=R,seconds=S``: rank R sleeps S seconds after every micro-batch's forward,
+    """``slow-step:rank=R,seconds=S`` (or ``delay=S``): rank R sleeps S seconds after every micro-batch's forward,
     as a slower device would (after DDP's forward-time buffer broadcast, which would otherwise
     absorb the delay); the other ranks wait for it in the gradient sync."""
     import time
 
     from podtrain.train import step
 
-    seconds, rank = float(args["seconds"]), int(args["rank"])
+    seconds, rank = float(args.get("seconds", args.get("delay", 0.3))), int(args["rank"])
     original = step.micro_batch_loss_sum
 
     def slowed(*a, **kw):

@@ -46,6 +46,7 @@ from podtrain import __version__
 from podtrain.ckpt import layout
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import SaveStream
+from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.state import capture_rng, restore_rng, to_plain
 from podtrain.ckpt.streamed_load import load_into
 from podtrain.ckpt.writer import CheckpointWriter, SaveJob, plan_files
@@ -82,20 +83,24 @@ class Checkpointer:
 
     # -- resume --------------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scaler: torch.amp.GradScaler | None) -> dict | None:
+                scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
+                resume: str | None = None) -> dict | None:
         """Load the checkpoint ``cfg.resume`` designates into every rank; None: start fresh.
 
         Every rank calls. Rank 0 chooses (and cleans temporary directories of killed saves) and
         broadcasts; every rank loads weights into the unwrapped model, the optimizer state, the
         scaler, and its own RNG states when the world size is the one that saved; then the ranks
         agree that all of them succeeded. Returns the saved ``train_state`` (with ``version`` and
-        ``world_size`` added).
+        ``world_size`` added). ``check(saved train_state, step, path)`` runs on every rank before
+        anything is loaded (it may refuse); ``resume`` overrides ``cfg.resume`` (a rollback).
         """
-        choice = self._rank0_decides(self._choose)
+        choice = self._rank0_decides(lambda: self._choose(resume or self.cfg.resume))
         if choice is None:
             log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", self.cfg.resume)
             return None
         path, manifest = Path(choice["path"]), choice["manifest"]
+        if check is not None:
+            check(choice["train_state"], int(manifest["step"]), str(path))
         t0 = time.perf_counter()
         failure = None
         train_state = None
@@ -112,16 +117,17 @@ class Checkpointer:
         log.info("resumed from %s (step %d) in %.1f s", path, self._last_step, time.perf_counter() - t0)
         return train_state
 
-    def _choose(self) -> dict | None:
+    def _choose(self, resume: str) -> dict | None:
         """Rank 0: clean up killed saves, then pick the checkpoint to resume from."""
         removed = layout.clean_stale(self.root)
         if removed:
             log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.root, ", ".join(removed))
-        choice = layout.resolve_resume(self.run_dir, self.cfg.resume)
+        choice = layout.resolve_resume(self.run_dir, resume)
         self.skipped = choice.skipped
         if choice.path is None:
             return None
-        return {"path": str(choice.path), "manifest": choice.manifest}
+        return {"path": str(choice.path), "manifest": choice.manifest,
+                "train_state": peek_train_state(choice.path)}
 
     def _rank0_decides(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
@@ -146,7 +152,12 @@ class Checkpointer:
 
     def _load(self, path: Path, manifest: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler | None) -> dict:
-        """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it."""
+        """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it.
+
+        Rank 0 verified every file's SHA-256 when it chose; the others check their own view of
+        shared storage against rank 0's manifest (a stale cache would train another model)."""
+        if not self.ctx.is_main:
+            layout.check_files(path, manifest)
         state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])

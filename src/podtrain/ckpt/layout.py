@@ -145,16 +145,42 @@ def verify(path: Path) -> Verdict:
         raise
     except ValueError as exc:
         return Verdict(path, False, str(exc))
+    problem = file_problem(path, manifest)
+    if problem:
+        return Verdict(path, False, problem)
+    return Verdict(path, True, manifest=manifest)
+
+
+def file_problem(path: Path, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the files ``manifest`` lists under ``path`` (presence, size, SHA-256)."""
     for rel, rec in manifest["files"].items():
         f = path / rel
         if not f.is_file():
-            return Verdict(path, False, f"{rel} is missing")
+            return f"{rel} is missing"
         size = f.stat().st_size
         if size != rec.get("bytes"):
-            return Verdict(path, False, f"{rel} has {size} bytes, the manifest says {rec.get('bytes')}")
+            return f"{rel} has {size} bytes, the manifest says {rec.get('bytes')}"
         if sha256_file(f) != rec.get("sha256"):
-            return Verdict(path, False, f"{rel} fails its SHA-256 check (corrupted)")
-    return Verdict(path, True, manifest=manifest)
+            return f"{rel} fails its SHA-256 check (corrupted)"
+    return None
+
+
+def check_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Raise ``UserError`` unless this process reads the files ``manifest`` (another rank's) lists
+    with their SHA-256. Only reads are trusted: metadata queries (exists, is_file) of a shared file
+    system can be stale where the data is not."""
+    problem = None
+    for rel, rec in manifest["files"].items():
+        try:
+            if sha256_file(path / rel) != rec.get("sha256"):
+                problem = f"{rel} fails its SHA-256 check"
+        except FileNotFoundError:
+            problem = f"{rel} is missing"
+        if problem:
+            break
+    if problem:
+        raise UserError(f"checkpoint {path} as seen from this host: {problem} (a stale or "
+                        "different view of the shared storage than rank 0's?)")
 
 
 @dataclass

@@ -63,6 +63,16 @@ def read_checkpoint(path: Path, manifest: dict) -> CheckpointData:
                           model_config=config)
 
 
+def peek_train_state(path: Path) -> dict[str, Any]:
+    """The loop's train state of a validated checkpoint (config, tokenizer, step...), from
+    state.json alone: no tensor is read (the train state holds none)."""
+    raw = json.loads((path / layout.STATE_JSON).read_text()).get("train_state") or {}
+    try:
+        return from_plain(raw, {})
+    except KeyError:  # a train state with tensors: not podtrain's loop's, nothing to compare
+        return {}
+
+
 def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Copy ``weights`` into ``net``; a different architecture is a one-line user error."""
     check_fit(net.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, path)

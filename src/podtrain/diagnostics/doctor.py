@@ -42,6 +42,7 @@ from podtrain.diagnostics.checks import (FAIL, INFO, OK, Check, check_compute, c
                                          check_gpus, check_network, check_run_dir, check_versions,
                                          culprit_names)
 from podtrain.distributed.env import ClusterEnv, launcher_variables
+from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import ipv4_of
 from podtrain.errors import UserError
 from podtrain.observe.hardware import best_matmul_seconds
@@ -334,6 +335,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         report = run_doctor(ctx, opts)
     if ctx.is_main:
+        if opts.run_dir:  # the culprits, for the scheduler to avoid (podtrain.distributed.health)
+            for check in report.failed:
+                for culprit in check.culprits:
+                    write_verdict(opts.run_dir, "doctor", culprit["host"], culprit["rank"],
+                                  {"check": check.name, "detail": check.detail})
         print(report.format(), flush=True)
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(

@@ -26,6 +26,7 @@ in ``all_reduce`` at sequence N against the one in ``barrier`` at N.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from podtrain.distributed.health import write_verdict
 from podtrain.distributed.recorder import CollectiveRecorder
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class Watchdog:
             grace has its dump already; it exits with its own error, the others with
             ``HANG_EXIT_CODE``.
         exit_fn: how to end the process (``os._exit``; tests pass a recorder of calls).
+        run_dir: when given, a firing also writes a ``hang`` verdict (with the last completed
+            step) to ``RUN_DIR/health/`` for the scheduler (``podtrain.distributed.health``).
     """
 
     def __init__(self, debug_dir: str | os.PathLike, rank: int,
@@ -79,7 +83,7 @@ class Watchdog:
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
                  recorder: CollectiveRecorder | None = None, host: str | None = None,
                  exit_grace_s: float | None = None,
-                 exit_fn: Callable[[int], None] = os._exit):
+                 exit_fn: Callable[[int], None] = os._exit, run_dir: str | os.PathLike | None = None):
         self.debug_dir = Path(debug_dir)
         self.rank = rank
         self.startup_timeout_s = float(startup_timeout_s)
@@ -87,6 +91,7 @@ class Watchdog:
         self.recorder = recorder
         self.host = host or socket.gethostname()
         self._exit = exit_fn
+        self.run_dir = run_dir
         shorter = min(self.startup_timeout_s, self.step_timeout_s)
         self.exit_grace_s = (min(30.0, max(1.0, 0.1 * shorter)) if exit_grace_s is None
                              else float(exit_grace_s))
@@ -182,6 +187,10 @@ class Watchdog:
             where = ", ".join(str(f) for f in files)
         except Exception as exc:  # the exit matters more than the dump: never hang here
             where = f"(dump failed: {exc})"
+        if self.run_dir is not None:
+            with contextlib.suppress(Exception):
+                write_verdict(self.run_dir, "hang", self.host, self.rank,
+                              {"last_step": self._last_step, "reason": reason, "dumps": where})
         log.error("rank %d on host %s: %s; stacks and last collectives in %s; exiting with code "
                   "%d in %g s", self.rank, self.host, reason, where, HANG_EXIT_CODE,
                   self.exit_grace_s)

@@ -304,8 +304,19 @@ def _run_torchrun(pre: Preemption | None) -> str:
 
 def _after_preemption(requeue: bool) -> str:
     if requeue:
-        return ("  # Queue the job again (same id, same log): it resumes from that checkpoint.\n"
-                '  scontrol requeue "$SLURM_JOB_ID" && exit 0\n')
+        return ("  # Queue the job again (same id, same log): it resumes from that checkpoint, without\n"
+                "  # the nodes the run's health verdicts blame (RUN_DIR/health/, podtrain.distributed.health).\n"
+                '  BLAMED=$(python3 -m podtrain.distributed.health exclude "$RUN_DIR" || true)\n'
+                "  trap '' TERM  # the requeue signals this script: the exclusion below must still run\n"
+                '  if scontrol requeue "$SLURM_JOB_ID"; then\n'
+                '    if [ -n "$BLAMED" ]; then\n'
+                "      # Slurm changes a job's excluded nodes only while it is pending: after the requeue.\n"
+                '      echo "podtrain: the requeued job excludes the blamed node(s) $BLAMED (see $RUN_DIR/health/)"\n'
+                '      scontrol update jobid="$SLURM_JOB_ID" ExcNodeList="$BLAMED" \\\n'
+                '        || echo "podtrain: could not exclude $BLAMED from job $SLURM_JOB_ID" >&2\n'
+                "    fi\n"
+                "    exit 0\n"
+                "  fi\n")
     return '  echo "podtrain: submit the script again to resume (--requeue does it by itself)"\n'
 
 

@@ -24,11 +24,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
 from podtrain.data.manifest import verify_shards
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
+from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
@@ -41,11 +43,15 @@ from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
-from podtrain.train.optim import build_optimizer, lr_at, set_lr
+from podtrain.train.goodput import GoodputClock
+from podtrain.train.guard import Guard, StepJudge, weights_finite
+from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
+from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import (buffers_need_forward_sync, check_all_parameters_used, check_replicas,
                                      ddp_buffer_arguments)
+from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 
@@ -143,6 +149,9 @@ class Trainer:
         self.progress: Progress | None = None
         self.profiler: StepProfiler | None = None
         self.result = TrainResult(step=0)
+        self.clock = GoodputClock(time.time())
+        self.guard: Guard | None = None
+        self.saves: SaveSchedule | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -166,18 +175,20 @@ class Trainer:
             self._verify_data(self.loader.manifest)
         check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
-        check_replicas(self.model, ctx, before_ddp=False)
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
                                cfg.train.grad_clip, ctx.world_size,
                                cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
                                grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view,
-                               clock=step_clock(ctx.device), recorder=ctx.recorder)
+                               clock=step_clock(ctx.device), recorder=ctx.recorder,
+                               judge=StepJudge(cfg.guard, ctx.device) if cfg.guard.enabled else None)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
         self._setup_checkpoints()
         self._setup_straggler_monitor()
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
+        if ctx.is_main:
+            self.clock.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
                                         to_dict(cfg), self.step, self.tokens_seen)
         self.profiler = StepProfiler(parse_steps(cfg.profile.steps), self.run_dir / "profile", ctx.rank,
@@ -232,14 +243,9 @@ class Trainer:
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
-        state = self.checkpointer.restore(self.model, self.optimizer, self.stepper.scaler)
-        if state is not None:
-            self.step = int(state["step"])
-            self.tokens_seen = int(state["tokens_seen"])
-            self.run_id = state.get("run_id", self.run_id)
-            self.loader.load_state_dict(state["loader"])
-            log.info("resumed from step %d (epoch %d, %d samples consumed)", self.step,
-                     self.loader.epoch, self.loader.consumed)
+        restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
+        self.saves = SaveSchedule(self.cfg.ckpt, self.step)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
 
     def _start_watchdog(self) -> None:
@@ -247,7 +253,7 @@ class Trainer:
         if self.cfg.monitor.watchdog:
             self.watchdog = Watchdog(self.run_dir / "debug", self.ctx.rank, self.cfg.dist.init_timeout_s,
                                      self.cfg.dist.timeout_s, recorder=self.ctx.recorder,
-                                     host=self.ctx.env.hostname).start()
+                                     host=self.ctx.env.hostname, run_dir=self.run_dir).start()
 
     def _setup_straggler_monitor(self) -> None:
         mcfg = self.cfg.monitor
@@ -279,18 +285,22 @@ class Trainer:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", self.step, total)
         interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
+        self.clock.start_steps()
         while self.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
+            self.guard.skip_data(self.loader)
+            start = self.loader.consumed
             with self.profiler.around(self.step + 1):  # a no-op outside profile.steps
                 batch = self.loader.next()
-                set_lr(self.optimizer, lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr,
-                                             cfg.optim.warmup_steps, total))
+                set_lr(self.optimizer, schedule_lr(cfg.optim, self.step, total))
                 self.stepper.step(batch.micro_batches)
             self.step += 1
             self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
             interval.add(batch.wait_s)
             interval.exclude(self.profiler.take_write_s())
+            self.guard.note(self.step, start, batch.consumed)
+            self.clock.step_done(self.step)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
@@ -302,8 +312,8 @@ class Trainer:
                 self._log_interval(interval)
                 interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
             if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self._evaluate())
-            if self.checkpointer.should_save(self.step, total):
+                interval.exclude(self.clock.add("eval", self._evaluate()))
+            if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self.stop_signal.drain()
         self._summary()
@@ -315,8 +325,12 @@ class Trainer:
         return self.stop_signal.should_stop(self.ctx)
 
     def _summary(self) -> None:
-        """Rank 0's closing lines: final losses against the corpus's unigram entropy."""
-        if not self.ctx.is_main or self.result.final_loss is None:
+        """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
+        if not self.ctx.is_main:
+            return
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
+        self.progress.note(self.clock.summary_line())
+        if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
         val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
@@ -328,8 +342,9 @@ class Trainer:
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: "_Interval") -> None:
         loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
-        if not math.isfinite(loss):
+        if not math.isfinite(loss) and not self.cfg.guard.enabled:
             raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
+        skipped = skipped_steps(self)
         elapsed = interval.elapsed(time.perf_counter())
         steps = interval.steps
         tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
@@ -350,10 +365,14 @@ class Trainer:
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
+        record.update(self.clock.record(), skipped_steps=len(skipped),
+                      skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)
-        self.result.final_loss = loss
+        self.result.final_loss = loss if math.isfinite(loss) else self.result.final_loss
         self.result.step = self.step
+        self.saves.check_grace(self.checkpointer.last_save)
+        review_skipped_steps(self, skipped)
 
     def _observe_straggler(self, wait_s: float) -> None:
         """Feed this step's data wait to the straggler monitor (the step clock has the rest);
@@ -363,6 +382,10 @@ class Trainer:
         report = self.straggler.maybe_report(self.step)
         if report:
             self._straggler_report = report
+            if report["straggler_rank"] is not None and self.ctx.is_main:  # for the scheduler
+                write_verdict(self.run_dir, "straggler", report["straggler_host"], report["straggler_rank"],
+                              {"step": self.step, "excess": report["straggler_excess"],
+                               "busy_by_rank": report["busy_by_rank"]})
 
     def _evaluate(self) -> float:
         t0 = time.perf_counter()
@@ -379,15 +402,20 @@ class Trainer:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "run_id": self.run_id, "config": to_dict(self.cfg),
-                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256")}
-
+                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256"),
+                "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
     def _save(self) -> float:
+        if self.cfg.guard.enabled and not weights_finite(self.model):
+            raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
+                            "checkpoint stays the newest); lower optim.lr")
         t0 = time.perf_counter()
         self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
                                self.train_state())
-        seconds = time.perf_counter() - t0
-        self.metrics.write({"kind": "save", "step": self.step, "save_s": seconds, "time": time.time()})
-        return seconds
+        stall = self.clock.add("save_stall", time.perf_counter() - t0)
+        self.metrics.write({"kind": "save", "step": self.step, "save_s": stall, "time": time.time()})
+        if self.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
+            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.clock.step_seconds())))
+        return stall
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
@@ -399,6 +427,7 @@ class Trainer:
                     "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
                     since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
                     self.stop_signal.exit_code)
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with

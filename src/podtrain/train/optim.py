@@ -10,16 +10,38 @@ from torch import nn
 from podtrain.config import OptimSection
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
+def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+          schedule: str = "cosine", decay_fraction: float = 0.2) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``.
+
+    Convention: the linear warmup reaches ``lr`` exactly at its last step (``warmup_steps - 1``)
+    and only there; the decay then ends exactly at ``min_lr`` on the last step
+    (``total_steps - 1``). ``cosine`` decays over everything after the warmup; ``wsd``
+    (warmup-stable-decay) holds ``lr`` and decays linearly over the last ``decay_fraction`` of
+    the steps, so steps before the decay do not depend on ``total_steps`` (a run can be extended
+    by raising it); ``constant`` holds ``lr`` after the warmup.
 
     Pure, so a resumed run recomputes the same value from the step alone (no scheduler state).
     """
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "constant":
+        return lr
+    peak = max(warmup_steps - 1, 0)  # the step that used lr (step 0 without warmup)
+    last = total_steps - 1
+    if schedule == "wsd":
+        decay_steps = max(1, round(decay_fraction * total_steps))
+        decay_start = max(peak, last - decay_steps)  # the last step at lr
+        progress = min(1.0, max(0.0, (step - decay_start) / max(1, last - decay_start)))
+        return min_lr + (lr - min_lr) * (1.0 - progress)
+    progress = min(1.0, (step - peak) / max(1, last - peak))
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_lr(cfg: OptimSection, step: int, total_steps: int) -> float:
+    """``lr_at`` with the schedule ``cfg`` describes."""
+    return lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, total_steps, cfg.schedule,
+                 cfg.decay_fraction)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

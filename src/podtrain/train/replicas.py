@@ -34,17 +34,20 @@ def check_all_parameters_used(model: torch.nn.Module, seq_len: int, device: torc
 
 def check_replicas(model: torch.nn.Module, ctx: DistContext, before_ddp: bool) -> None:
     """Every rank must hold the same weights: compare per-parameter sums across ranks (all
-    ranks call this). Before DDP's broadcast a difference is only a warning; after it, a bug."""
+    ranks call this). Before DDP's broadcast a difference is only a warning; after it and the
+    checkpoint restore (every rank reads the checkpoint itself), an error naming the ranks."""
     if not ctx.initialized:
         return
-    fingerprints = ctx.all_gather_object(parameter_fingerprint(model).cpu())
-    differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
+    gathered = ctx.all_gather_object((parameter_fingerprint(model).cpu(), ctx.env.hostname))
+    differ = [r for r, (f, _) in enumerate(gathered) if not torch.equal(f, gathered[0][0])]
     if not differ:
         return
     if before_ddp:
         log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
     else:
-        raise RuntimeError(f"replicas differ after DDP's broadcast on ranks {differ}")
+        where = ", ".join(f"rank {r} on {gathered[r][1]}" for r in differ)
+        raise RuntimeError(f"replicas differ from rank 0's after DDP's broadcast and the checkpoint "
+                           f"restore: {where}")
 
 
 def buffers_changed_by_forward(model: torch.nn.Module, seq_len: int, device: torch.device) -> list[str]:

@@ -13,7 +13,9 @@ Host syncs: none. Loss and gradient norm accumulate in device tensors that the l
 log intervals (``StepStats.read``). Step and sync-wait times go to a ``StepClock`` (host clocks on
 the CPU, CUDA events on a GPU, read lazily), and each step's gradient sync is one entry of the
 collective record, tracked until the device finished it (``distributed/timing.py``,
-``distributed/recorder.py``).
+``distributed/recorder.py``),
+with the guard's per-step verdicts (``podtrain.train.guard``: a skipped step's loss and norm are
+left out of the interval's means).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from podtrain.distributed.recorder import CollectiveRecorder
 from podtrain.distributed.timing import HostStepClock
 from podtrain.model import unwrap
+from podtrain.train.guard import StepJudge
 from podtrain.train.precision import Precision
 
 
@@ -48,6 +51,10 @@ class StepStats:
     grad_norm_sum: torch.Tensor = field(init=False)
     tokens: int = 0
     steps: int = 0
+    verdicts: list = field(default_factory=list)
+    """One device bool per step since the last read: the guard skipped it."""
+    skipped: list = field(default_factory=list)
+    """The last ``read``'s verdicts as host booleans."""
 
     def __post_init__(self) -> None:
         self.reset()
@@ -58,6 +65,7 @@ class StepStats:
         self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.tokens = 0
         self.steps = 0
+        self.verdicts = []
 
     def read(self, all_reduce_sum) -> tuple[float, float]:
         """(token-weighted mean loss over all ranks, mean grad norm) for the interval; resets.
@@ -68,11 +76,17 @@ class StepStats:
         packed = torch.stack([self.loss_sum, tokens])
         all_reduce_sum(packed)
         # The gradient norm is the same on every rank after the AllReduce: no need to reduce it,
-        # and reading it with the losses keeps this to one host sync per interval.
-        loss_sum, tokens_all, grad_norm_sum = torch.cat([packed, self.grad_norm_sum.view(1)]).tolist()
-        grad_norm = grad_norm_sum / max(1, self.steps)
+        # and reading it (and the guard's verdicts) with the losses keeps this to one host sync
+        # per interval.
+        verdicts = [v.double().view(1) for v in self.verdicts]
+        loss_sum, tokens_all, grad_norm_sum, *flags = torch.cat(
+            [packed, self.grad_norm_sum.view(1), *verdicts]).tolist()
+        self.skipped = [bool(f) for f in flags]
+        good = self.steps - sum(self.skipped)
+        tokens_all *= good / max(1, self.steps)  # every step has the same number of tokens
+        grad_norm = grad_norm_sum / good if good else float("nan")
         self.reset()
-        return loss_sum / max(1.0, tokens_all), grad_norm
+        return (loss_sum / tokens_all if tokens_all else float("nan")), grad_norm
 
 
 class Stepper:
@@ -97,7 +111,8 @@ class Stepper:
     def __init__(self, model: nn.Module, ddp: nn.Module | None, optimizer: torch.optim.Optimizer,
                  precision: Precision, grad_clip: float, world_size: int,
                  global_target_tokens: int, device: torch.device, grads_are_bucket_views: bool = False,
-                 clock: HostStepClock | None = None, recorder: CollectiveRecorder | None = None):
+                 clock: HostStepClock | None = None, recorder: CollectiveRecorder | None = None,
+                 judge: StepJudge | None = None):
         self.model, self.ddp, self.optimizer = model, ddp, optimizer
         self.precision = precision
         self.scaler = precision.grad_scaler()
@@ -111,6 +126,9 @@ class Stepper:
         self.clock.watch_backward(unwrap(model))
         self.recorder = recorder if ddp is not None else None
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.judge = judge
+        self.fused = bool(optimizer.defaults.get("fused"))
+        self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         if last or self.ddp is None:
@@ -127,6 +145,7 @@ class Stepper:
     def accumulate(self, micro_batches: list[torch.Tensor]) -> None:
         """Forward/backward of every micro-batch; gradients are synchronised after the last."""
         last = len(micro_batches) - 1
+        step_loss = self._step_loss.zero_()
         for i, rows in enumerate(micro_batches):
             rows = rows.to(self.device, non_blocking=True)
             sync = None
@@ -137,12 +156,16 @@ class Stepper:
             with self._sync_context(i == last):
                 loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
                 scaled = loss_sum * self.loss_scale
+                if i == last and self.judge is not None:
+                    # A non-finite loss here makes this rank's gradients NaN, so the AllReduce
+                    # carries the verdict to every rank's gradient norm (no extra collective).
+                    scaled = scaled * self.judge.poison(step_loss + loss_sum.detach())
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             if i == last:
                 probe = self.clock.synced()
                 if sync is not None:
                     sync.track(probe) if probe is not None else sync.done()
-            self.stats.loss_sum += loss_sum.detach()
+            step_loss += loss_sum.detach()
             self.stats.tokens += rows.shape[0] * (rows.shape[1] - 1)
 
     def apply(self) -> None:
@@ -153,11 +176,29 @@ class Stepper:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        bad = self.judge.judge(norm) if self.judge is not None else None
         if self.scaler:
+            if bad is not None:  # the scaler skips steps with found_inf, on the device when fused
+                for found in self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
+                    found.add_(bad.to(found.dtype))
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif bad is None:
+            self.optimizer.step()
+        elif self.fused:
+            self.optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif not bool(bad):  # foreach AdamW cannot skip on the device: one host read per step
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
-        self.stats.grad_norm_sum += norm.detach().double()
+        if bad is None:
+            self.stats.loss_sum += self._step_loss
+            self.stats.grad_norm_sum += norm.detach().double()
+        else:
+            self.stats.loss_sum += torch.where(bad, 0.0, self._step_loss)
+            self.stats.grad_norm_sum += torch.where(bad, 0.0, norm.detach().double())
+            self.stats.verdicts.append(bad)
         self.stats.steps += 1

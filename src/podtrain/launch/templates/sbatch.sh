@@ -54,6 +54,9 @@ ROUTE=$(python3 -m podtrain.distributed.placement route "$HEAD_ADDR") \
   || { echo "podtrain: node $SLURM_NODEID cannot route to the rendezvous host $HEAD_ADDR" >&2; exit 1; }
 read -r SELF_ADDR SELF_IFACE <<< "$ROUTE"
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$SELF_IFACE}
+# Name this node as Slurm does in what the ranks report (placement, health verdicts), so that a
+# blamed node can be excluded by name.
+export PODTRAIN_HOSTNAME=${PODTRAIN_HOSTNAME:-${SLURMD_NODENAME:-$(hostname)}}
 IS_HOST=0
 if [ "${SLURMD_NODENAME:-}" = "$HEAD_NODE" ]; then IS_HOST=1; fi
 NPROC=@@NPROC@@

@@ -1,0 +1,70 @@
+"""Putting a checkpoint back into a running Trainer: at start-up (resume) and after the guard
+asks for a rollback. Both check the checkpoint's config against this run's, re-apply the current
+optimizer hyperparameters and verify that every rank then holds the same weights.
+
+``trainer`` is a ``podtrain.train.loop.Trainer`` (not imported: the loop imports this module)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from podtrain.errors import UserError
+from podtrain.train.guard import Rollback
+from podtrain.train.replicas import check_replicas
+from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters, tokenizer_identity
+
+log = logging.getLogger("podtrain")
+
+
+def restore_checkpoint(trainer: Any, resume: str | None = None) -> dict[str, Any] | None:
+    """Load the checkpoint ``resume`` (default ``ckpt.resume``) designates into the trainer (every
+    rank); None: nothing to load. The replica check runs after the load, whatever it loaded."""
+    cfg = trainer.cfg
+    tokenizer = tokenizer_identity(trainer.loader.manifest.tokenizer)
+
+    def check(saved: dict[str, Any], step: int, path: str) -> None:
+        check_resume(saved, cfg, tokenizer, step, path)
+
+    state = trainer.checkpointer.restore(trainer.model, trainer.optimizer, trainer.stepper.scaler,
+                                         check=check, resume=resume)
+    if state is not None:
+        trainer.step = int(state["step"])
+        trainer.tokens_seen = int(state["tokens_seen"])
+        trainer.run_id = state.get("run_id", trainer.run_id)
+        trainer.loader.load_state_dict(state["loader"])
+        reapply_optimizer_hyperparameters(trainer.optimizer, cfg.optim)
+        log.info("resumed from step %d (epoch %d, %d samples consumed)", trainer.step,
+                 trainer.loader.epoch, trainer.loader.consumed)
+    check_replicas(trainer.model, trainer.ctx, before_ddp=False)
+    return state
+
+
+def roll_back(trainer: Any, plan: Rollback) -> None:
+    """The guard's rollback: the newest checkpoint back in, the bad data window skipped."""
+    detected_at = trainer.step
+    trainer.checkpointer.wait()
+    state = restore_checkpoint(trainer, resume="auto")
+    if state is None:
+        raise UserError(trainer.guard.describe(plan, trainer.loader.order,
+                                               "and there is no checkpoint to roll back to"))
+    trainer.stepper.judge.reset()
+    trainer.guard.rolled_back(plan, trainer.step, trainer.loader.consumed, trainer.loader.order)
+    trainer.clock.redo_after_rollback = detected_at
+
+
+def skipped_steps(trainer: Any) -> list[int]:
+    """After ``StepStats.read``: the steps of the interval the guard skipped (their time is
+    booked as skipped)."""
+    flags = trainer.stepper.stats.skipped
+    first = trainer.step - len(flags) + 1
+    steps = [first + i for i, bad in enumerate(flags) if bad]
+    trainer.clock.skipped(steps)
+    return steps
+
+
+def review_skipped_steps(trainer: Any, skipped: list[int]) -> None:
+    """Let the guard judge the interval; roll back when it asks (it raises when it may not)."""
+    plan = trainer.guard.review(skipped, trainer.step, trainer.loader.order)
+    if plan is not None:
+        roll_back(trainer, plan)
