@@ -76,7 +76,7 @@ def test_resume_applies_a_new_weight_decay_and_refuses_a_new_preset(capsys, data
     other.save_pretrained(tmp_path / "wider")
     code, err, _ = train(capsys, data, run, "train.steps=4", f"model.preset={tmp_path / 'wider'}")
     assert code == 2 and len(err) == 1, err
-    assert "model.preset was 'tiny', now '{tmp_path / 'wider'}'" in err[0] and "ckpt.allow_changes" in err[0]
+    assert f"model.preset was 'tiny', now '{tmp_path / 'wider'}'" in err[0] and "ckpt.allow_changes" in err[0]
 
 
 def test_math_changes_are_named_and_can_be_allowed(capsys, data, tmp_path, repo, monkeypatch):
