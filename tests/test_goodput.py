@@ -100,11 +100,15 @@ def _replica_check_after_restore(rank, world, run_dir, data, repo):
 
     os.chdir(repo)
     if rank == 1:  # this rank's view of the storage serves other weights (a stale cache)
-        real = checkpointer.load_weights
+        real = checkpointer.load_into
 
-        def stale(net, weights, path):
-            real(net, {k: v + 1e-3 for k, v in weights.items()}, path)
-        checkpointer.load_weights = stale
+        def stale(path, manifest, net, *a, **kw):
+            state = real(path, manifest, net, *a, **kw)
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(1e-3)
+            return state
+        checkpointer.load_into = stale
     cfg = load_config("configs/demo.yaml", [f"data.path={data}", f"run.dir={run_dir}", *BASE,
                                             "train.global_batch_size=4", "train.steps=3"])
     try:
