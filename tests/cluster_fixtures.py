@@ -461,12 +461,12 @@ TINY_TRAINING = ("model.preset=tiny", "data.seq_len=64", "train.micro_batch_size
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The step records of RUN_DIR/metrics.jsonl in file order, without the attempts' segment
-    markers (empty when the file is missing)."""
+    """The training records (kind=train) of RUN_DIR/metrics.jsonl in file order, without the
+    attempts' segment markers, save, eval and goodput lines (empty when the file is missing)."""
     import json
 
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("kind") != "segment"]
+    return [r for r in records if r.get("kind") == "train"]
