@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from podtrain.ckpt.checkpointer import Checkpointer  # noqa: E402
-from podtrain.config import CkptSection  # noqa: E402
+from podtrain.config_sections import CkptSection  # noqa: E402
 from podtrain.distributed.env import ClusterEnv  # noqa: E402
 from podtrain.distributed.group import DistContext  # noqa: E402
 from podtrain.model import build_model, preset_config  # noqa: E402

@@ -20,7 +20,7 @@ from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.reader import load_latest_weights
 from podtrain.ckpt.tensorio import read_safetensors, write_safetensors
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, process_group
 from podtrain.errors import UserError

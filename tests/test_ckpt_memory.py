@@ -15,7 +15,8 @@ from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.host_buffers import MIB, StagingPool
 from podtrain.ckpt.tensorio import SafetensorsIndex, write_safetensors
-from podtrain.config import CkptSection, load_config
+from podtrain.config import load_config
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, process_group
 from podtrain.errors import UserError

@@ -222,3 +222,27 @@ def test_default_largest_message_follows_the_backend():
     assert C.options_from_args(args, "gloo").sizes[-1] == 16 << 20
     assert C.options_from_args(args, "nccl").sizes[-1] == 1 << 30
     assert C.options_from_args(parser.parse_args(["--max-bytes", "2M"]), "gloo").sizes[-1] == 2 << 20
+
+
+class _OneRank:
+    """A one-rank context on a (mocked) device: all the memory check reads."""
+
+    def __init__(self, device: str, local_world_size: int):
+        import types
+
+        self.device = torch.device(device)
+        self.world_size = 1
+        self.env = types.SimpleNamespace(local_world_size=local_world_size, hostname="node-a")
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+def test_memory_check_gives_each_gpu_its_own_free_memory_on_a_mocked_cuda_device(monkeypatch):
+    from podtrain.diagnostics import collectives as C
+
+    monkeypatch.setattr(C, "available_bytes", lambda device: 8 * 2**30)  # free memory, per device
+    opts = C.BenchOptions(ops=["all_reduce"], sizes=[1 << 30])  # needs ~1 GiB per rank
+    C.check_memory(_OneRank("cuda", 8), opts)  # 8 ranks on 8 GPUs: each has its own 8 GiB
+    with pytest.raises(UserError, match="per rank available"):
+        C.check_memory(_OneRank("cpu", 8), opts)  # 8 ranks share one host's 8 GiB: 1 GiB each

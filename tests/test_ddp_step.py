@@ -5,7 +5,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from multirank import run_ranks
-from podtrain.config import OptimSection
+from podtrain.config_sections import OptimSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import process_group
 from podtrain.model import build_model

@@ -11,7 +11,7 @@ import torch
 
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.cli import main
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext
 from podtrain.model import build_model, preset_config

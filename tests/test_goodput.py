@@ -17,7 +17,8 @@ from podtrain.ckpt import layout
 from podtrain.ckpt.interval import SaveSchedule, young_daly_seconds
 from podtrain.ckpt.tensorio import read_safetensors
 from podtrain.cli import main
-from podtrain.config import CkptSection, load_config
+from podtrain.config import load_config
+from podtrain.config_sections import CkptSection
 from podtrain.errors import UserError
 from synthetic_data import make_data_dir
 
@@ -181,7 +182,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank():
 def _poisoned_step(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from podtrain.config import GuardSection
+    from podtrain.config_sections import GuardSection
     from podtrain.train.guard import StepJudge
     from podtrain.train.precision import resolve_precision
     from podtrain.train.step import Stepper
@@ -217,7 +218,7 @@ def _poisoned_step(rank, world):
 
 
 def test_a_gradient_spike_is_judged_against_the_median():
-    from podtrain.config import GuardSection
+    from podtrain.config_sections import GuardSection
     from podtrain.train.guard import StepJudge
 
     judge = StepJudge(GuardSection(spike_factor=5.0, history=4), torch.device("cpu"))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from podtrain.config import OptimSection
+from podtrain.config_sections import OptimSection
 from podtrain.errors import UserError
 from podtrain.model import PRESETS, build_model, check_fits, estimate_params, model_size, preset_config, unwrap
 from podtrain.train.optim import build_optimizer, lr_at

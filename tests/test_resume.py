@@ -24,7 +24,7 @@ from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.reader import read_checkpoint
 from podtrain.ckpt.tensorio import read_safetensors
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext
 

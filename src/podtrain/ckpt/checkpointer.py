@@ -50,7 +50,7 @@ from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.state import capture_rng, restore_rng, to_plain
 from podtrain.ckpt.streamed_load import load_into
 from podtrain.ckpt.writer import CheckpointWriter, SaveJob, plan_files
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import unwrap

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 
 log = logging.getLogger("podtrain.checkpoint")
 

@@ -46,7 +46,7 @@ from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import to_plain
 from podtrain.ckpt.tensorio import (FileRecord, TensorSpec, spec_of, tensor_chunks, write_json,
                                     write_safetensors, write_safetensors_stream)
-from podtrain.config import CkptSection
+from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.fsutil import atomic_write_text, fsync_dir
 

@@ -134,7 +134,9 @@ def check_memory(ctx: Any, opts: BenchOptions) -> None:
     """
     need = max(buffer_bytes(op, max(opts.sizes), ctx.world_size) for op in opts.ops)
     avail = available_bytes(ctx.device)
-    share = None if avail is None else avail // max(1, ctx.env.local_world_size)
+    # Host memory is shared by the node's ranks; a GPU's free memory is its own rank's alone.
+    ranks_sharing = max(1, ctx.env.local_world_size) if ctx.device.type == "cpu" else 1
+    share = None if avail is None else avail // ranks_sharing
     # Keep a quarter back for the check's temporaries and everything else on the node.
     mine = share if share is not None and need > share * 0.75 else None
     short = [(rank, host, got)

@@ -226,6 +226,12 @@ def _bracket_ipv6(addr: str) -> str:
     return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
 
 
+def collective_timeout(watchdog_s: float) -> float:
+    """The process group's timeout for a watchdog limit: longer, so that on a hang the watchdog
+    fires first and writes its stack and collective dumps before torch raises its own error."""
+    return watchdog_s * 1.25 + 60.0
+
+
 def cap_cpu_threads(local_world_size: int, requested: int | None = None) -> int:
     """Give each rank its share of the CPU cores so ranks do not oversubscribe them.
 

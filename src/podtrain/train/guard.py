@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from podtrain.config import GuardSection
+from podtrain.config_sections import GuardSection
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain")

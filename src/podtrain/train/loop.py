@@ -29,7 +29,7 @@ from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
 from podtrain.data.manifest import verify_shards
 from podtrain.distributed.env import ClusterEnv
-from podtrain.distributed.group import DistContext, cap_cpu_threads, process_group
+from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
 from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
@@ -44,6 +44,7 @@ from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate
 from podtrain.train.goodput import GoodputClock
+from podtrain.train.interval import LogInterval
 from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
@@ -113,12 +114,6 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
             trainer.close()
 
 
-def collective_timeout(watchdog_s: float) -> float:
-    """The process group's timeout for a watchdog limit: longer, so that on a hang the watchdog
-    fires first and writes its stack and collective dumps before torch raises its own error."""
-    return watchdog_s * 1.25 + 60.0
-
-
 class Trainer:
     """One rank's training state; see ``run`` for the loop."""
 
@@ -149,7 +144,7 @@ class Trainer:
         self.progress: Progress | None = None
         self.profiler: StepProfiler | None = None
         self.result = TrainResult(step=0)
-        self.clock = GoodputClock(time.time())
+        self.goodput = GoodputClock(time.time())
         self.guard: Guard | None = None
         self.saves: SaveSchedule | None = None
 
@@ -188,7 +183,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
         if ctx.is_main:
-            self.clock.load_history(self.run_dir / "metrics.jsonl")
+            self.goodput.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
                                         to_dict(cfg), self.step, self.tokens_seen)
         self.profiler = StepProfiler(parse_steps(cfg.profile.steps), self.run_dir / "profile", ctx.rank,
@@ -284,8 +279,8 @@ class Trainer:
         if self.step >= total:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", self.step, total)
-        interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-        self.clock.start_steps()
+        interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
+        self.goodput.start_steps()
         while self.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
@@ -300,7 +295,7 @@ class Trainer:
             interval.add(batch.wait_s)
             interval.exclude(self.profiler.take_write_s())
             self.guard.note(self.step, start, batch.consumed)
-            self.clock.step_done(self.step)
+            self.goodput.step_done(self.step)
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
@@ -310,9 +305,9 @@ class Trainer:
             last = self.step == total
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
-                interval = _Interval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
+                interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
             if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self.clock.add("eval", self._evaluate()))
+                interval.exclude(self.goodput.add("eval", self._evaluate()))
             if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self.stop_signal.drain()
@@ -328,8 +323,8 @@ class Trainer:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
-        self.progress.note(self.clock.summary_line())
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        self.progress.note(self.goodput.summary_line())
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
@@ -340,32 +335,21 @@ class Trainer:
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
-    def _log_interval(self, interval: "_Interval") -> None:
+    def _log_interval(self, interval: LogInterval) -> None:
         loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
         if not math.isfinite(loss) and not self.cfg.guard.enabled:
             raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
         skipped = skipped_steps(self)
-        elapsed = interval.elapsed(time.perf_counter())
-        steps = interval.steps
-        tokens = steps * self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
-        per_device_flops = tokens_per_s * self.size.flops_per_token / self.ctx.world_size
-        record: dict[str, Any] = {
-            "kind": "train", "step": self.step, "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "mfu": per_device_flops / self.peak if self.peak else None,
-            "step_time_s": elapsed / max(1, steps), "data_wait_s": interval.wait / max(1, steps),
-            # The step clock's sync wait over the interval (on a GPU, of the steps completed so far).
-            "sync_wait_s": (self.stepper.clock.total_sync_wait_s - interval.sync_start) / max(1, steps),
-            "max_mem_bytes": max_memory_bytes(self.ctx.device), "world_size": self.ctx.world_size,
-            "tokens_seen": self.tokens_seen, "epoch": self.loader.epoch, "run_id": self.run_id,
-            "time": time.time(),
-        }
+        record = interval.record(
+            step=self.step, loss=loss, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
+            tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
+            flops_per_token=self.size.flops_per_token, world_size=self.ctx.world_size, peak=self.peak,
+            sync_total_s=self.stepper.clock.total_sync_wait_s, max_mem_bytes=max_memory_bytes(self.ctx.device),
+            tokens_seen=self.tokens_seen, epoch=self.loader.epoch, run_id=self.run_id)
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
-        record.update(self.clock.record(), skipped_steps=len(skipped),
+        record.update(self.goodput.record(), skipped_steps=len(skipped),
                       skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)
@@ -404,6 +388,7 @@ class Trainer:
                 "run_id": self.run_id, "config": to_dict(self.cfg),
                 "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256"),
                 "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
+
     def _save(self) -> float:
         if self.cfg.guard.enabled and not weights_finite(self.model):
             raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
@@ -411,10 +396,10 @@ class Trainer:
         t0 = time.perf_counter()
         self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
                                self.train_state())
-        stall = self.clock.add("save_stall", time.perf_counter() - t0)
+        stall = self.goodput.add("save_stall", time.perf_counter() - t0)
         self.metrics.write({"kind": "save", "step": self.step, "save_s": stall, "time": time.time()})
         if self.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
-            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.clock.step_seconds())))
+            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.goodput.step_seconds())))
         return stall
 
     def _stop_for_signal(self) -> TrainResult:
@@ -427,7 +412,7 @@ class Trainer:
                     "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
                     since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
                     self.stop_signal.exit_code)
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.clock.record(), "time": time.time()})
+        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
@@ -469,24 +454,3 @@ class Trainer:
         self.ddp = None
         self.stepper_model = None
         self.stepper = None
-
-
-@dataclass
-class _Interval:
-    """Timing of one log interval, excluding evaluation and checkpoint time."""
-
-    start: float
-    steps: int = 0
-    wait: float = 0.0
-    sync_start: float = 0.0
-    excluded: float = 0.0
-
-    def add(self, wait_s: float) -> None:
-        self.steps += 1
-        self.wait += wait_s
-
-    def exclude(self, seconds: float) -> None:
-        self.excluded += seconds
-
-    def elapsed(self, now: float) -> float:
-        return now - self.start - self.excluded

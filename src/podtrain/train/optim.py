@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from podtrain.config import OptimSection
+from podtrain.config_sections import OptimSection
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int,

@@ -50,7 +50,7 @@ def roll_back(trainer: Any, plan: Rollback) -> None:
                                                "and there is no checkpoint to roll back to"))
     trainer.stepper.judge.reset()
     trainer.guard.rolled_back(plan, trainer.step, trainer.loader.consumed, trainer.loader.order)
-    trainer.clock.redo_after_rollback = detected_at
+    trainer.goodput.redo_after_rollback = detected_at
 
 
 def skipped_steps(trainer: Any) -> list[int]:
@@ -59,7 +59,7 @@ def skipped_steps(trainer: Any) -> list[int]:
     flags = trainer.stepper.stats.skipped
     first = trainer.step - len(flags) + 1
     steps = [first + i for i, bad in enumerate(flags) if bad]
-    trainer.clock.skipped(steps)
+    trainer.goodput.skipped(steps)
     return steps
 
 

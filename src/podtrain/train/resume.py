@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from podtrain.config import MATH_KEYS, OptimSection, RunConfig, to_dict
+from podtrain.config import MATH_KEYS, RunConfig, to_dict
+from podtrain.config_sections import OptimSection
 from podtrain.errors import UserError
 from podtrain.train.optim import lr_at
 
