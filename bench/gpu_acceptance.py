@@ -12,8 +12,8 @@ budget is recorded as skipped, never silently dropped):
                  reducer, no_sync with 2 micro-batches per step, the comm hook), bf16 autocast,
                  fused AdamW, async checkpoints every 10 steps, evaluation; asserts a falling
                  loss, MFU and peak memory in metrics.jsonl, and the final checkpoint
-  golden_resume  the same run stopped at step 20 and resumed to 30: the loss at step 30 and the
-                 final weights against the uninterrupted run (max abs difference reported)
+  golden_resume  the same run stopped by SIGTERM at step 20 (checkpoint, exit 143) and resumed to
+                 30: the loss at step 30 and the final weights against the uninterrupted run
   compile        train.compile=true for 20 steps
   export         `podtrain export`, then transformers' from_pretrained: logits against podtrain's
                  own model from the checkpoint (max abs difference)
@@ -202,7 +202,9 @@ def stage_train(s: Session) -> dict[str, Any]:
 
 
 def stage_golden_resume(s: Session) -> dict[str, Any]:
-    first = s.podtrain(*s.train_args("resumed", 20), timeout=600)
+    # Stopped at step 20 by a SIGTERM to the torchrun agent (a preemption: checkpoint, exit 143),
+    # then the same command resumes; the schedule is the same 30-step one as the golden run's.
+    first = s.podtrain(*s.train_args("resumed", 30), timeout=600, faults="term-parent:rank=0,step=20")
     second = s.podtrain(*s.train_args("resumed", 30), timeout=600)
     golden = {r["step"]: r["loss"] for r in _metrics(s.run_dir("train"))}
     resumed = {r["step"]: r["loss"] for r in _metrics(s.run_dir("resumed"))}
@@ -217,9 +219,10 @@ def stage_golden_resume(s: Session) -> dict[str, Any]:
     resumed_log = "resumed from" in second.stdout + second.stderr
     # CPU is bitwise deterministic; on GPU atomics in some kernels may differ in the last bits.
     tol = 1e-3 if s.mode.gpu else 0.0
-    ok = (first.returncode == 0 and second.returncode == 0 and resumed_log and loss_diff <= tol
+    ok = (first.returncode == 143 and second.returncode == 0 and resumed_log and loss_diff <= tol
           and weights.get("steps") == [30, 30] and weights.get("max_abs_weight_diff", 1.0) <= (1e-2 if s.mode.gpu else 0.0))
-    return {"ok": ok, "loss_at_30": [golden.get(30), resumed.get(30)], "loss_diff": loss_diff,
+    return {"ok": ok, "stop_exit_code": first.returncode, "loss_at_30": [golden.get(30), resumed.get(30)],
+            "loss_diff": loss_diff,
             "resumed_logged": resumed_log, **weights, "log": "" if ok else _tail(second)}
 
 
