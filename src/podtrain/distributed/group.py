@@ -12,7 +12,7 @@ import datetime
 import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -151,6 +151,17 @@ class DistContext:
             if report is not None:
                 is_user, message = report
                 raise (UserError if is_user else RuntimeError)(f"rank {rank} on {host}: {message}")
+
+    def agree_on(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on every rank, then ``agree``: a failure on any rank raises on all of
+        them (the failing rank re-raises its own error, with its traceback)."""
+        try:
+            result = work()
+        except Exception as exc:
+            self.agree(exc)
+            raise
+        self.agree(None)
+        return result
 
     def set_timeout(self, seconds: float) -> None:
         """Change the collective timeout of the default group (e.g. start-up to steady state)."""

@@ -158,16 +158,9 @@ class Trainer:
         """
         cfg, ctx = self.cfg, self.ctx
         self._start_watchdog()
-        failure = None
-        try:
-            self._setup_local()
-        except Exception as exc:
-            failure = exc
-        ctx.agree(failure)
-        if failure is not None:
-            raise failure
-        if cfg.data.verify:
-            self._verify_data(self.loader.manifest)
+        ctx.agree_on(self._setup_local)
+        if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
+            ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
         check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
         self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
@@ -207,18 +200,6 @@ class Trainer:
         if not cfg.dist.find_unused_parameters:
             check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
-
-    def _verify_data(self, manifest) -> None:
-        """Check the shards' SHA-256 against the manifest: each rank hashes every world_size-th
-        shard (the read is shared out), and the verdicts are agreed."""
-        failure = None
-        try:
-            verify_shards(manifest, part=(self.ctx.rank, self.ctx.world_size))
-        except UserError as exc:
-            failure = exc
-        self.ctx.agree(failure)
-        if failure is not None:
-            raise failure
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """DDP around the model (one process: no wrapper), then torch.compile when asked."""
