@@ -155,8 +155,7 @@ def test_plan_json_chooses_fsdp_when_ddp_cannot_fit(repo, capsys):
 
 
 def _slowed_run(repo, tmp_path, data, fault):
-    sys.path.insert(0, str(repo / "tests/fault_plugin"))
-    from podtrain_faults import fault_env
+    from fault_plugin.podtrain_faults import fault_env  # tests/ is on sys.path (conftest)
 
     run_dir = tmp_path / "run"
     proc = subprocess.run(
