@@ -12,6 +12,7 @@ from podtrain.model import build_model
 from podtrain.train.optim import build_optimizer
 from podtrain.train.precision import resolve_precision
 from podtrain.train.step import Stepper
+from podtrain.train.strategy import DDPStrategy, Strategy
 
 SEQ, GLOBAL, MICRO, STEPS = 16, 8, 2, 3
 
@@ -33,7 +34,7 @@ def make(world, ddp_wrap):
     model = build_model(small_config(), "eager", seed=0)
     opt = build_optimizer(model, OptimSection(lr=1e-3, implementation="foreach"), torch.device("cpu"))
     ddp = DDP(model) if ddp_wrap else None
-    stepper = Stepper(ddp or model, ddp, opt, resolve_precision("fp32", torch.device("cpu")),
+    stepper = Stepper(ddp or model, DDPStrategy.of(ddp) if ddp else Strategy(), opt, resolve_precision("fp32", torch.device("cpu")),
                       grad_clip=1.0, world_size=world, global_target_tokens=GLOBAL * SEQ,
                       device=torch.device("cpu"))
     return model, ddp, stepper
@@ -97,7 +98,7 @@ def test_clipping_off_reports_the_norm_and_leaves_gradients_alone():
     for clip in (0.0, 1e9):  # off, and a limit that never bites: same weights, same norm
         model = build_model(small_config(), "eager", seed=0)
         opt = build_optimizer(model, OptimSection(lr=1e-3, implementation="foreach"), torch.device("cpu"))
-        stepper = Stepper(model, None, opt, resolve_precision("fp32", torch.device("cpu")), clip, 1,
+        stepper = Stepper(model, Strategy(), opt, resolve_precision("fp32", torch.device("cpu")), clip, 1,
                           GLOBAL * SEQ, torch.device("cpu"))
         for rows in data:
             stepper.step([rows])

@@ -186,6 +186,7 @@ def _poisoned_step(rank, world):
     from podtrain.train.guard import StepJudge
     from podtrain.train.precision import resolve_precision
     from podtrain.train.step import Stepper
+    from podtrain.train.strategy import DDPStrategy
 
     torch.manual_seed(0)
     emb = torch.nn.Embedding(16, 8)
@@ -205,7 +206,7 @@ def _poisoned_step(rank, world):
     net = Net()
     ddp = DDP(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
-    stepper = Stepper(ddp, ddp, opt, resolve_precision("fp32", torch.device("cpu")), 1.0, world, 2 * 2 * 4,
+    stepper = Stepper(ddp, DDPStrategy.of(ddp), opt, resolve_precision("fp32", torch.device("cpu")), 1.0, world, 2 * 2 * 4,
                       torch.device("cpu"), judge=StepJudge(GuardSection(spike_factor=0), torch.device("cpu")))
     changed = []
     for step in range(3):

@@ -183,13 +183,14 @@ def _one_rank_ddp(rank, world):
     from test_ddp_step import GLOBAL, SEQ, make
     from podtrain.train.precision import resolve_precision
     from podtrain.train.step import Stepper
+    from podtrain.train.strategy import DDPStrategy
 
     assert not dist.is_initialized()
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
         size = dist.get_world_size()
         model, _, _ = make(1, False)
         ddp = DDP(model)
-        stepper = Stepper(ddp, ddp, torch.optim.SGD(model.parameters(), lr=0.1),
+        stepper = Stepper(ddp, DDPStrategy.of(ddp), torch.optim.SGD(model.parameters(), lr=0.1),
                           resolve_precision("fp32", torch.device("cpu")), 1.0, 1, GLOBAL * SEQ,
                           torch.device("cpu"), clock=HostStepClock(), recorder=ctx.recorder)
         rows = torch.randint(0, 64, (GLOBAL, SEQ + 1), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,8 @@ import torch
 
 from podtrain.config_sections import OptimSection
 from podtrain.errors import UserError
-from podtrain.model import PRESETS, build_model, check_fits, estimate_params, model_size, preset_config, unwrap
+from podtrain.model import PRESETS, build_model, estimate_params, model_size, preset_config, unwrap
+from podtrain.train.preflight import check_fits
 from podtrain.train.optim import build_optimizer, lr_at
 
 

@@ -10,6 +10,7 @@ import pytest
 from multirank import run_ranks
 from podtrain.train.precision import resolve_precision
 from podtrain.train.step import Stepper
+from podtrain.train.strategy import DDPStrategy
 from podtrain.train.stragglers import StragglerMonitor, find_straggler
 
 
@@ -100,7 +101,7 @@ def _ddp_rank(rank, world):
         seen = []  # the synchronised gradients, captured just before the optimizer applies them
         opt.register_step_pre_hook(lambda *_: seen.append(
             torch.cat([p.grad.flatten() for p in model.parameters()])))
-        stepper = Stepper(ddp, ddp, opt,
+        stepper = Stepper(ddp, DDPStrategy.of(ddp), opt,
                           resolve_precision("fp32", torch.device("cpu")), grad_clip=0.0,
                           world_size=world, global_target_tokens=GLOBAL * SEQ,
                           device=torch.device("cpu"), clock=HostStepClock(), recorder=ctx.recorder)

@@ -32,6 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ckpt.format": ("safetensors", "dcp"),
     "model.memory_check": ("error", "warn", "off"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "dist.strategy": ("ddp", "fsdp", "hsdp"),
+    "train.activation_checkpointing": ("none", "full"),
 }
 
 
@@ -249,6 +251,13 @@ def validate(cfg: RunConfig) -> None:
     _validate_observe(cfg)
     if cfg.ckpt.host_staging_mb is not None and not cfg.ckpt.host_staging_mb >= 1:
         raise UserError(f"config key 'ckpt.host_staging_mb' must be at least 1 (MB), got {cfg.ckpt.host_staging_mb}")
+    if cfg.dist.strategy != "ddp" and cfg.train.precision == "fp16":
+        raise UserError(f"config key 'dist.strategy' ({cfg.dist.strategy}) does not support "
+                        "train.precision=fp16 (the GradScaler's found-inf flag would have to be reduced "
+                        "over the shards): use bf16")
+    if cfg.dist.shard_size is not None and cfg.dist.shard_size < 1:
+        raise UserError(f"config key 'dist.shard_size' must be at least 1 (or null: a node's ranks), "
+                        f"got {cfg.dist.shard_size}")
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")

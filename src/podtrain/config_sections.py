@@ -66,6 +66,9 @@ class TrainSection:
     """Clip the global gradient norm to this; 0 disables clipping."""
     compile: bool = False
     """Wrap the DDP model in torch.compile."""
+    activation_checkpointing: str = "none"
+    """none, or full: recompute each decoder layer's activations in backward (less memory,
+    about a third more compute), under every dist.strategy."""
 
 
 @dataclass
@@ -125,7 +128,8 @@ class CkptSection:
     async_save: bool = True
     """Write in a background thread: the step loop only pays for a copy to host memory."""
     format: str = "safetensors"
-    """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks)."""
+    """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks);
+    fsdp/hsdp runs always write sharded checkpoints (every rank its own pieces)."""
     resume: str = "auto"
     """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
@@ -169,7 +173,7 @@ class ProfileSection:
 
 @dataclass
 class DistSection:
-    """Process group and DistributedDataParallel knobs."""
+    """Process group, the strategy that spreads the model (DDP, FSDP2, HSDP) and its knobs."""
 
     backend: str = "auto"
     """auto (nccl with CUDA, else gloo), nccl, or gloo."""
@@ -188,6 +192,12 @@ class DistSection:
     """Let DDP search for parameters without gradients each step (slow; off unless needed)."""
     threads_per_rank: int | None = None
     """CPU threads per rank; null gives each rank an equal share of the cores."""
+    strategy: str = "ddp"
+    """ddp (every rank holds the whole model), fsdp (weights, gradients and optimizer state
+    sharded over all ranks: FSDP2), or hsdp (sharded within groups of dist.shard_size ranks,
+    replicated across the groups). See README "DDP or FSDP?"."""
+    shard_size: int | None = None
+    """hsdp's shard group size; null: the ranks of one node (LOCAL_WORLD_SIZE)."""
 
 
 @dataclass

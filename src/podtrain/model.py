@@ -47,10 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=False, vocab_size=128256),
 }
 
-# AdamW training state per parameter in bytes: fp32 weights (4) + fp32 grads (4) + exp_avg (4)
-# + exp_avg_sq (4). Mixed precision keeps fp32 master weights, so it is the same under bf16.
-TRAIN_BYTES_PER_PARAM = 16
-
 
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple (vocabularies padded to 64 for faster matmuls)."""
@@ -151,27 +147,6 @@ def estimate_params(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_fits(params: int, device_bytes: int | None, where: str, policy: str = "error") -> str | None:
-    """Refuse (or warn) when params + grads + AdamW state cannot fit one device.
-
-    DDP replicates the whole training state on every rank, so one device must hold
-    ~16 bytes/param before any activation. Returns the warning text, or None when it fits.
-    """
-    if policy == "off" or not device_bytes:
-        return None
-    need = params * TRAIN_BYTES_PER_PARAM
-    if need <= 0.9 * device_bytes:
-        return None
-    msg = (f"model has {params / 1e9:.2f}B parameters: weights + grads + AdamW state need "
-           f"~{need / 2**30:.1f} GiB per rank, more than {where} holds ({device_bytes / 2**30:.1f} GiB). "
-           "DDP replicates all of it on every rank: use FSDP (torch.distributed.fsdp) to shard it, "
-           "or a smaller model.preset")
-    if policy == "error":
-        raise UserError(msg + " (model.memory_check=warn to try anyway)")
-    log.warning(msg)
-    return msg
-
-
 def parameter_fingerprint(model: nn.Module) -> torch.Tensor:
     """A float64 vector of per-parameter sums: cheap to all-gather, different if any replica differs."""
     with torch.no_grad():
@@ -187,3 +162,20 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Is ``model`` (unwrapped) an FSDP2 module, its parameters DTensor shards?"""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a transformers model: the classes its ``_no_split_modules`` names."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): "
+                        "dist.strategy=fsdp/hsdp and train.activation_checkpointing need one")
+    return layers

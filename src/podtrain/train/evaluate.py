@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from podtrain.data.loader import SampleIndex, validation_ids
 from podtrain.distributed.group import DistContext
+from podtrain.model import is_sharded
 from podtrain.train.precision import Precision
-from podtrain.train.step import micro_batch_loss_sum
+from podtrain.train.loss import micro_batch_loss_sum
 
 
 @torch.no_grad()
@@ -18,15 +20,25 @@ def evaluate(model: nn.Module, index: SampleIndex, ctx: DistContext, micro_batch
 
     ``model`` is the unwrapped module: evaluation needs no gradient sync, so DDP's forward hooks
     are skipped. Every rank calls this (one all_reduce at the end), even one with no samples.
+    Under FSDP/HSDP every forward all-gathers weights with the other ranks, so a rank with fewer
+    samples runs as many forwards as rank 0 (the most), the extra ones on a sample it discards.
     """
-    ids = validation_ids(index.num_samples, ctx.rank, ctx.world_size, max_batches * micro_batch_size)
+    limit = max_batches * micro_batch_size
+    ids = validation_ids(index.num_samples, ctx.rank, ctx.world_size, limit)
+    batches = -(-len(ids) // micro_batch_size)
+    if is_sharded(model):
+        most = len(validation_ids(index.num_samples, 0, ctx.world_size, limit))
+        batches = -(-most // micro_batch_size)
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-    for start in range(0, len(ids), micro_batch_size):
-        rows = torch.from_numpy(index.gather(ids[start:start + micro_batch_size])).to(ctx.device)
-        totals[0] += micro_batch_loss_sum(model, rows, precision).double()
-        totals[1] += rows.shape[0] * (rows.shape[1] - 1)
+    for b in range(batches):
+        mine = ids[b * micro_batch_size:(b + 1) * micro_batch_size]
+        rows = torch.from_numpy(index.gather(mine if len(mine) else np.zeros(1, np.int64))).to(ctx.device)
+        loss_sum = micro_batch_loss_sum(model, rows, precision).double()
+        if len(mine):  # an extra forward (FSDP lockstep) counts for nothing
+            totals[0] += loss_sum
+            totals[1] += rows.shape[0] * (rows.shape[1] - 1)
     model.train(was_training)
     ctx.all_reduce_sum(totals)
     loss_sum, tokens = totals.tolist()

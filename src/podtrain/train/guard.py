@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from podtrain.config_sections import GuardSection
+from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain")
@@ -172,8 +173,18 @@ class Guard:
                     start, plan.end, self.run_dir / SKIPPED_FILE)
 
 
-def weights_finite(model: torch.nn.Module) -> bool:
-    """True when every parameter is finite (one reduction and one host read: for saves only)."""
+def weights_finite(model: torch.nn.Module, ctx: DistContext | None = None) -> bool:
+    """True when every parameter is finite (one reduction and one host read: for saves only).
+
+    FSDP/HSDP shards (DTensors) are checked locally and the verdict summed over ``ctx``'s ranks,
+    so every rank reaches the same one; replicated parameters need no collective."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    sharded = any(isinstance(p, DTensor) for p in params)
     with torch.no_grad():
-        flags = torch.stack([torch.isfinite(p).all() for p in model.parameters()])
-    return bool(flags.all())
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        bad = torch.stack([~torch.isfinite(t).all() for t in local]).sum().double()
+    if sharded and ctx is not None:
+        ctx.all_reduce_sum(bad)
+    return not bool(bad)

@@ -2,7 +2,7 @@
 
 ``Trainer.run`` is the textbook loop on one screen: batch -> step -> log -> eval -> checkpoint,
 with the stop signal agreed by all ranks at each step boundary. The work lives in ``setup`` (model,
-DDP, optimizer, data, resume) and in the modules it calls.
+its dist.strategy: DDP, FSDP2 or HSDP, optimizer, data, resume) and in the modules it calls.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
@@ -50,11 +49,11 @@ from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
-from podtrain.train.replicas import (buffers_need_forward_sync, check_all_parameters_used, check_replicas,
-                                     ddp_buffer_arguments)
+from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
+from podtrain.train.strategy import Strategy, build_strategy, checkpoint_activations
 
 log = logging.getLogger("podtrain")
 
@@ -127,11 +126,12 @@ class Trainer:
         self.loader: ShardedLoader | None = None
         self.val_index = None
         self.accum = 1
+        self.accumulate_unsharded = True
         self.precision = None
         self.model: torch.nn.Module | None = None
         self.size = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.ddp: DDP | None = None
+        self.strategy: Strategy | None = None
         self.stepper_model: torch.nn.Module | None = None
         self.stepper: Stepper | None = None
         self.peak: float | None = None
@@ -150,7 +150,7 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Model, DDP, optimizer, data, checkpoint restore: everything before the first step.
+        """Model, strategy, optimizer, data, checkpoint restore: everything before the first step.
 
         First what each rank can check alone (config against data and model, memory, shards),
         then one agreement, so a mistake seen by one rank stops every rank at once instead of
@@ -163,10 +163,10 @@ class Trainer:
             ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
         check_replicas(self.model, ctx, before_ddp=True)
         self.stepper_model = self._wrap(self.model)
-        self.stepper = Stepper(self.stepper_model, self.ddp, self.optimizer, self.precision,
-                               cfg.train.grad_clip, ctx.world_size,
-                               cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
-                               grads_are_bucket_views=self.ddp is not None and cfg.dist.gradient_as_bucket_view,
+        self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)  # FSDP: over the shards
+        self.stepper = Stepper(self.stepper_model, self.strategy, self.optimizer,
+                               self.strategy.forward_precision(self.precision), cfg.train.grad_clip,
+                               ctx.world_size, cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
                                clock=step_clock(ctx.device), recorder=ctx.recorder,
                                judge=StepJudge(cfg.guard, ctx.device) if cfg.guard.enabled else None)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
@@ -188,6 +188,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
+        self.accumulate_unsharded = checked.accumulate_unsharded
         self.loader = ShardedLoader(
             cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
@@ -197,22 +198,17 @@ class Trainer:
         self.model = build_model(checked.model_config, cfg.model.attn_implementation,
                                  seed=cfg.run.seed).to(ctx.device)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
+        if cfg.train.activation_checkpointing == "full":
+            checkpoint_activations(self.model)
         if not cfg.dist.find_unused_parameters:
             check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP around the model (one process: no wrapper), then torch.compile when asked."""
-        dcfg = self.cfg.dist
-        wrapped: torch.nn.Module = model
-        if self.ctx.initialized:
-            sync_buffers = buffers_need_forward_sync(model, self.ctx, self.cfg.data.seq_len)
-            self.ddp = DDP(model, device_ids=[self.ctx.device.index] if self.ctx.is_cuda else None,
-                           **ddp_buffer_arguments(sync_buffers), bucket_cap_mb=dcfg.bucket_cap_mb,
-                           gradient_as_bucket_view=dcfg.gradient_as_bucket_view,
-                           static_graph=dcfg.static_graph,
-                           find_unused_parameters=dcfg.find_unused_parameters)
-            wrapped = self.ddp
+        """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), then
+        torch.compile when asked."""
+        self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
+                                       self.accumulate_unsharded)
+        wrapped = self.strategy.wrap(model)
         if self.cfg.train.compile:
             wrapped = torch.compile(wrapped)
         return wrapped
@@ -242,8 +238,9 @@ class Trainer:
         if ctx.env.local_rank == 0:
             # One line per node, printed even where ranks log warnings only: the topology users got.
             print(placement_line(ctx), flush=True)
-        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s", __version__,
-                 ctx.world_size, ctx.backend, ctx.device.type, self.precision.name)
+        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s, strategy %s",
+                 __version__, ctx.world_size, ctx.backend, ctx.device.type, self.precision.name,
+                 self.strategy.describe())
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
                  "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
@@ -355,7 +352,7 @@ class Trainer:
     def _evaluate(self) -> float:
         t0 = time.perf_counter()
         val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
-                       self.cfg.eval.max_batches, self.precision)
+                       self.cfg.eval.max_batches, self.stepper.precision)
         self.result.val_loss = val
         record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
                   "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time()}
@@ -371,7 +368,7 @@ class Trainer:
                 "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
 
     def _save(self) -> float:
-        if self.cfg.guard.enabled and not weights_finite(self.model):
+        if self.cfg.guard.enabled and not weights_finite(self.model, self.ctx):
             raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
                             "checkpoint stays the newest); lower optim.lr")
         t0 = time.perf_counter()
@@ -432,6 +429,7 @@ class Trainer:
         if self.stop_signal is not None:
             self.stop_signal.restore()
         # Drop DDP (and its reducer) before the process group is destroyed (the exit deadlock above).
-        self.ddp = None
+        if self.strategy is not None:
+            self.strategy.release()
         self.stepper_model = None
         self.stepper = None

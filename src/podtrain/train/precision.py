@@ -22,10 +22,13 @@ class Precision:
     Attributes:
         name: fp32, bf16 or fp16.
         device_type: "cpu" or the accelerator's type, for autocast.
+        autocast_enabled: False where the weights are already cast (FSDP's
+            ``MixedPrecisionPolicy`` runs forward and backward in bf16 without autocast).
     """
 
     name: str
     device_type: str
+    autocast_enabled: bool = True
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -34,7 +37,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for forward passes: autocast with an explicit dtype, or nothing for fp32."""
-        if self.autocast_dtype is None:
+        if self.autocast_dtype is None or not self.autocast_enabled:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 

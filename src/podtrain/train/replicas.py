@@ -9,9 +9,9 @@ import torch
 
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
-from podtrain.model import parameter_fingerprint
+from podtrain.model import is_sharded, parameter_fingerprint
 from podtrain.train.precision import resolve_precision
-from podtrain.train.step import micro_batch_loss_sum
+from podtrain.train.loss import micro_batch_loss_sum
 
 log = logging.getLogger("podtrain")
 
@@ -35,8 +35,10 @@ def check_all_parameters_used(model: torch.nn.Module, seq_len: int, device: torc
 def check_replicas(model: torch.nn.Module, ctx: DistContext, before_ddp: bool) -> None:
     """Every rank must hold the same weights: compare per-parameter sums across ranks (all
     ranks call this). Before DDP's broadcast a difference is only a warning; after it and the
-    checkpoint restore (every rank reads the checkpoint itself), an error naming the ranks."""
-    if not ctx.initialized:
+    checkpoint restore (every rank reads the checkpoint itself), an error naming the ranks.
+    FSDP/HSDP shards differ by design: nothing to compare (their wrap broadcasts rank 0's weights
+    before sharding, and every rank reads its shards from the same checkpoint)."""
+    if not ctx.initialized or is_sharded(model):
         return
     gathered = ctx.all_gather_object((parameter_fingerprint(model).cpu(), ctx.env.hostname))
     differ = [r for r, (f, _) in enumerate(gathered) if not torch.equal(f, gathered[0][0])]

@@ -6,8 +6,12 @@ Gradient arithmetic: every target token of the global batch weighs the same. Ran
 gradient of the mean loss over the whole global batch, exactly what one process would compute on
 the concatenated batch.
 
-Communication: all micro-batches but the last run under ``ddp.no_sync()`` (gradients accumulate
-locally); the last one's backward all-reduces the buckets, overlapped with the backward itself.
+Communication is the strategy's (``podtrain.train.strategy``): under DDP all micro-batches but the
+last run under ``no_sync()`` (gradients accumulate locally) and the last one's backward all-reduces
+the buckets, overlapped with the backward itself; under FSDP/HSDP the last one's backward
+reduce-scatters layer by layer (and, with room to spare, the ones before neither reduce nor
+reshard). Every strategy divides the summed gradient by the world size, so the arithmetic below
+holds for all of them.
 
 Host syncs: none. Loss and gradient norm accumulate in device tensors that the loop reads only at
 log intervals (``StepStats.read``). Step and sync-wait times go to a ``StepClock`` (host clocks on
@@ -20,26 +24,18 @@ left out of the interval's means).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from podtrain.distributed.recorder import CollectiveRecorder
 from podtrain.distributed.timing import HostStepClock
 from podtrain.model import unwrap
 from podtrain.train.guard import StepJudge
+from podtrain.train.loss import micro_batch_loss_sum
 from podtrain.train.precision import Precision
-
-
-def micro_batch_loss_sum(model: nn.Module, rows: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """Summed next-token cross-entropy of a [batch, seq_len + 1] block (fp32 loss)."""
-    inputs, targets = rows[:, :-1], rows[:, 1:]
-    with precision.autocast():
-        logits = model(input_ids=inputs).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+from podtrain.train.strategy import Strategy
 
 
 @dataclass
@@ -90,30 +86,28 @@ class StepStats:
 
 
 class Stepper:
-    """Runs optimizer steps for a DDP-wrapped (optionally compiled) model.
+    """Runs optimizer steps for a wrapped (DDP, FSDP/HSDP; optionally compiled) model.
 
     Args:
-        model: the module to call forward on (DDP, or torch.compile of DDP).
-        ddp: the DistributedDataParallel instance (for ``no_sync``), or None for one process.
-        optimizer: AdamW built over the unwrapped model's parameters.
+        model: the module to call forward on (``strategy.wrap``'s, or torch.compile of it).
+        strategy: what synchronises the gradients and measures their norm
+            (``podtrain.train.strategy``; ``Strategy()`` for one process).
+        optimizer: AdamW over the model's (for FSDP: sharded) parameters.
         precision: autocast policy; fp16 brings a GradScaler.
         grad_clip: max global gradient norm; 0 disables clipping (the norm is still reported).
-        world_size: number of ranks (DDP divides gradients by it).
+        world_size: number of ranks (every strategy divides gradients by it).
         global_target_tokens: target tokens per optimizer step over all ranks.
-        grads_are_bucket_views: DDP's gradient_as_bucket_view is on: gradients are zeroed in
-            place rather than set to None, so they stay views of the buckets (no reallocation
-            and copy into the bucket every step).
         clock: times each step and its sync wait (``distributed.timing.step_clock``); default
             host clocks.
         recorder: the collective record that gets one entry per gradient sync (None: none).
     """
 
-    def __init__(self, model: nn.Module, ddp: nn.Module | None, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                  precision: Precision, grad_clip: float, world_size: int,
-                 global_target_tokens: int, device: torch.device, grads_are_bucket_views: bool = False,
+                 global_target_tokens: int, device: torch.device,
                  clock: HostStepClock | None = None, recorder: CollectiveRecorder | None = None,
                  judge: StepJudge | None = None):
-        self.model, self.ddp, self.optimizer = model, ddp, optimizer
+        self.model, self.strategy, self.optimizer = model, strategy, optimizer
         self.precision = precision
         self.scaler = precision.grad_scaler()
         self.grad_clip = grad_clip if grad_clip > 0 else float("inf")
@@ -121,19 +115,19 @@ class Stepper:
         self.device = device
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.stats = StepStats(device)
-        self.grads_to_none = not grads_are_bucket_views
+        # DDP's gradient_as_bucket_view: gradients are zeroed in place rather than set to None,
+        # so they stay views of the buckets (no reallocation and copy into them every step).
+        self.grads_to_none = strategy.grads_to_none
         self.clock = clock or HostStepClock()
-        self.clock.watch_backward(unwrap(model))
-        self.recorder = recorder if ddp is not None else None
+        if not strategy.sharded:
+            # FSDP interleaves the reduce-scatters with backward: there is no moment when this
+            # rank's own backward is done and the sync not begun, so its sync wait reads 0.
+            self.clock.watch_backward(unwrap(model))
+        self.recorder = recorder if strategy.sync_op is not None else None
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.judge = judge
         self.fused = bool(optimizer.defaults.get("fused"))
         self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
-
-    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
-        if last or self.ddp is None:
-            return contextlib.nullcontext()
-        return self.ddp.no_sync()
 
     def step(self, micro_batches: list[torch.Tensor]) -> None:
         """Forward/backward every micro-batch, then one optimizer step (learning rate preset)."""
@@ -151,9 +145,10 @@ class Stepper:
             sync = None
             if i == last and self.recorder is not None:
                 # One record per step, not a Python comm hook per bucket: DDP's C++ AllReduce runs.
-                sync = self.recorder.begin("all_reduce", nbytes=self._grad_bytes,
-                                           caller="DDP gradient sync (all buckets)")
-            with self._sync_context(i == last):
+                sync = self.recorder.begin(self.strategy.sync_op, nbytes=self._grad_bytes,
+                                           caller=f"{self.strategy.name.upper()} gradient sync "
+                                           f"({'every layer' if self.strategy.sharded else 'all buckets'})")
+            with self.strategy.micro_batch(i == last):
                 loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
                 scaled = loss_sum * self.loss_scale
                 if i == last and self.judge is not None:
@@ -162,6 +157,8 @@ class Stepper:
                     scaled = scaled * self.judge.poison(step_loss + loss_sum.detach())
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             if i == last:
+                if self.strategy.sharded:
+                    self.clock.backward_done()
                 probe = self.clock.synced()
                 if sync is not None:
                     sync.track(probe) if probe is not None else sync.done()
@@ -172,10 +169,7 @@ class Stepper:
         """Unscale (fp16), clip, optimizer step, clear gradients."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if self.grad_clip == float("inf"):  # clipping off: measure the norm, touch no gradient
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        norm = self.strategy.clip(self.params, self.grad_clip)  # inf: measure, touch no gradient
         bad = self.judge.judge(norm) if self.judge is not None else None
         if self.scaler:
             if bad is not None:  # the scaler skips steps with found_inf, on the device when fused

@@ -1,0 +1,244 @@
+"""How the model is spread over the ranks: ``dist.strategy`` = ddp, fsdp or hsdp, in one place.
+
+* ``ddp``: every rank holds the whole model; gradients are all-reduced (DistributedDataParallel,
+  bucketed and overlapped with backward; micro-batches but the last under ``no_sync``).
+* ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) on each decoder layer and on the root:
+  weights, gradients and optimizer state are sharded over all ranks; a layer's weights are
+  all-gathered just before its forward and its backward and freed after; gradients are
+  reduce-scattered layer by layer during backward.
+* ``hsdp``: the same on a 2-D mesh (replicate, shard): sharded within groups of
+  ``dist.shard_size`` ranks (default: the node's ranks, so the all-gathers stay on NVLink),
+  replicated across the groups (one gradient all-reduce per step crosses the network).
+
+The loop asks ``build_strategy`` for one and calls ``wrap`` once; the ``Stepper`` then calls
+``micro_batch(last)`` around every micro-batch and ``clip`` once per step without knowing which
+strategy runs. ``train.activation_checkpointing=full`` recomputes each decoder layer's activations
+in backward, under every strategy (``checkpoint_activations``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from podtrain.config_sections import DistSection
+from podtrain.distributed.group import DistContext
+from podtrain.errors import UserError
+from podtrain.model import decoder_layers
+from podtrain.train.precision import Precision
+from podtrain.train.replicas import buffers_need_forward_sync, ddp_buffer_arguments
+
+
+def checkpoint_activations(model: nn.Module) -> int:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    The layer's own ``forward`` is wrapped (non-reentrant ``torch.utils.checkpoint``), so its
+    parameter names stay those of the checkpoints, and FSDP's hooks around the layer still run
+    outside the recomputed region (a layer's weights are gathered once for its forward and once
+    for its backward, recomputation included). Returns the number of layers wrapped.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    return len(layers)
+
+
+def shard_group_size(cfg: DistSection, world_size: int, local_world_size: int) -> int:
+    """hsdp's shard dimension: ``dist.shard_size``, else the node's ranks; it must divide the world."""
+    size = cfg.shard_size or local_world_size
+    if size < 1 or world_size % size:
+        raise UserError(f"config key 'dist.shard_size' ({size}) must divide the world size {world_size} "
+                        "(hsdp shards within groups of dist.shard_size ranks and replicates across them)")
+    return size
+
+
+class Strategy:
+    """One process: no wrapper, no communication. The base of the distributed strategies.
+
+    Attributes:
+        name: ddp, fsdp or hsdp.
+        sharded: the parameters are DTensor shards (every rank then writes its part of a checkpoint).
+        sync_op: the collective that synchronises gradients (for the collective record), or None.
+        grads_to_none: ``zero_grad(set_to_none=...)``; DDP's bucket views are zeroed in place.
+        module: the wrapped module, once ``wrap`` ran.
+    """
+
+    name = "ddp"
+    sharded = False
+    sync_op: str | None = None
+
+    def __init__(self) -> None:
+        self.grads_to_none = True
+        self.module: nn.Module | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Prepare ``model`` for training (every rank calls); returns the module to call forward on."""
+        self.module = model
+        return model
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward and backward; gradients are synchronised on ``last``."""
+        return contextlib.nullcontext()
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` (inf: only measure, touch no gradient); returns
+        the global norm as a device tensor (no host sync)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm != float("inf"):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def forward_precision(self, precision: Precision) -> Precision:
+        """The precision the step's forward runs under (autocast, unless the strategy casts)."""
+        return precision
+
+    def describe(self) -> str:
+        """One phrase for the start-up line."""
+        return self.name
+
+    def release(self) -> None:
+        """Drop the wrapper (DDP's reducer must go before the process group is destroyed)."""
+        self.module = None
+
+
+class DDPStrategy(Strategy):
+    """DistributedDataParallel; every micro-batch but the last under ``no_sync``."""
+
+    sync_op = "all_reduce"
+
+    def __init__(self, cfg: DistSection, ctx: DistContext, seq_len: int) -> None:
+        super().__init__()
+        self.cfg, self.ctx, self.seq_len = cfg, ctx, seq_len
+        self.grads_to_none = not cfg.gradient_as_bucket_view
+
+    @classmethod
+    def of(cls, ddp: nn.Module, gradient_as_bucket_view: bool = False) -> "DDPStrategy":
+        """The strategy of an already built DDP module (tests and benchmarks build their own)."""
+        strategy = cls.__new__(cls)
+        Strategy.__init__(strategy)
+        strategy.module = ddp
+        strategy.grads_to_none = not gradient_as_bucket_view
+        return strategy
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around the model; buffers are broadcast before every forward only when they must be."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        cfg, ctx = self.cfg, self.ctx
+        sync_buffers = buffers_need_forward_sync(model, ctx, self.seq_len)
+        self.module = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None,
+                          **ddp_buffer_arguments(sync_buffers), bucket_cap_mb=cfg.bucket_cap_mb,
+                          gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                          static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+        return self.module
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """All-reduce only after the last micro-batch (overlapped with its backward)."""
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2 on a 1-D (fsdp) or 2-D (hsdp: replicate x shard) device mesh.
+
+    Args:
+        name: fsdp or hsdp.
+        mesh_shape: ``(world,)`` for fsdp, ``(replica groups, shard_size)`` for hsdp.
+        ctx: the process group's context (device type for the mesh).
+        precision: bf16 runs the forward and backward in the parameters' compute dtype through
+            ``MixedPrecisionPolicy`` (gradients reduced in fp32, fp32 master weights sharded),
+            so autocast is not needed on top.
+        accumulate_unsharded: between micro-batches keep the weights gathered and the gradients
+            unsharded and local (no reduce-scatter, no re-gather per micro-batch: faster), at the
+            cost of full gradients and weights on every rank; the memory check decides
+            (``podtrain.train.preflight``).
+    """
+
+    sharded = True
+    sync_op = "reduce_scatter"
+
+    def __init__(self, name: str, mesh_shape: tuple[int, ...], ctx: DistContext, precision: Precision,
+                 accumulate_unsharded: bool) -> None:
+        super().__init__()
+        self.name, self.mesh_shape, self.ctx = name, mesh_shape, ctx
+        self.precision = precision
+        self.accumulate_unsharded = accumulate_unsharded
+        self.mesh = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
+
+        Each rank shards its own copy, so rank 0's weights and buffers are broadcast first (as
+        DDP does at construction): ranks that initialised differently still train one model.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+        names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
+        self.mesh = init_device_mesh(self.ctx.device.type, self.mesh_shape, mesh_dim_names=names)
+        dtype = self.precision.autocast_dtype
+        policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype
+                  else MixedPrecisionPolicy())
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        self.module = model
+        return model
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """With ``accumulate_unsharded``, the micro-batches before the last neither reduce-scatter
+        nor reshard after backward; the last reduces the accumulated gradient once."""
+        if self.accumulate_unsharded:
+            self.module.set_requires_gradient_sync(last)
+            self.module.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The norm of the sharded gradients: each rank's partial norm, reduced over the mesh
+        (``full_tensor``); every shard is then scaled by the same factor."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if max_norm != float("inf"):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def forward_precision(self, precision: Precision) -> Precision:
+        """FSDP already casts the weights (``MixedPrecisionPolicy``): no autocast on top."""
+        return Precision(name=precision.name, device_type=precision.device_type, autocast_enabled=False)
+
+    def describe(self) -> str:
+        """``fsdp over 8 ranks`` or ``hsdp 2 x 4 (replicas x shard)``, and the accumulation mode."""
+        shape = (f"over {self.mesh_shape[0]} ranks" if len(self.mesh_shape) == 1
+                 else f"{self.mesh_shape[0]} x {self.mesh_shape[1]} (replicas x shard)")
+        accumulation = "unsharded" if self.accumulate_unsharded else "resharded per micro-batch"
+        return f"{self.name} {shape}, gradient accumulation {accumulation}"
+
+
+def build_strategy(cfg: DistSection, ctx: DistContext, precision: Precision, seq_len: int,
+                   accumulate_unsharded: bool = True) -> Strategy:
+    """The strategy ``dist.strategy`` names for this job (one process: no wrapper at all)."""
+    if not ctx.initialized:
+        return Strategy()
+    if cfg.strategy == "ddp":
+        return DDPStrategy(cfg, ctx, seq_len)
+    world = ctx.world_size
+    if cfg.strategy == "fsdp":
+        shape: tuple[int, ...] = (world,)
+    else:
+        shard = shard_group_size(cfg, world, ctx.env.local_world_size)
+        shape = (world // shard, shard)
+    return FSDPStrategy(cfg.strategy, shape, ctx, precision, accumulate_unsharded)

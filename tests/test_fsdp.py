@@ -1,0 +1,198 @@
+"""dist.strategy fsdp and hsdp on real gloo ranks: the same losses and weights as DDP, and the
+memory check per strategy."""
+
+import pytest
+import torch
+# Imported once here, not in each forked rank (DTensor and FSDP take seconds to import).
+import torch.distributed.checkpoint.state_dict  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+import transformers.models.llama.modeling_llama  # noqa: F401
+
+from multirank import run_ranks
+from podtrain.config_sections import DistSection, OptimSection
+from podtrain.distributed.env import ClusterEnv
+from podtrain.distributed.group import process_group
+from podtrain.errors import UserError
+from podtrain.model import build_model, estimate_params, preset_config
+from podtrain.train.optim import build_optimizer
+from podtrain.train.preflight import check_fits
+from podtrain.train.precision import resolve_precision
+from podtrain.train.step import Stepper
+from podtrain.train.strategy import build_strategy, checkpoint_activations
+
+SEQ, GLOBAL, MICRO, STEPS = 16, 8, 1, 10
+
+
+def small_config():
+    from transformers import LlamaConfig
+
+    # Tied embeddings (as the tiny preset): FSDP must shard the shared tensor once.
+    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                       max_position_embeddings=64, tie_word_embeddings=True, use_cache=False)
+
+
+def batches(steps=STEPS):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (GLOBAL, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def full_weights(model):
+    """Every parameter whole (FSDP's DTensor shards gathered), by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharded=True, recompute=False):
+    """STEPS optimizer steps with accumulation (GLOBAL / world / MICRO micro-batches per rank)."""
+    with process_group(ClusterEnv.detect(), "gloo") as ctx:
+        precision = resolve_precision("fp32", ctx.device)
+        model = build_model(small_config(), "eager", seed=0)
+        if recompute:
+            checkpoint_activations(model)
+        chosen = build_strategy(DistSection(strategy=strategy, shard_size=shard_size), ctx, precision,
+                                SEQ, accumulate_unsharded)
+        wrapped = chosen.wrap(model)
+        opt = build_optimizer(model, OptimSection(lr=3e-3, implementation="foreach"), ctx.device)
+        stepper = Stepper(wrapped, chosen, opt, chosen.forward_precision(precision), grad_clip=0.05,
+                          world_size=world, global_target_tokens=GLOBAL * SEQ, device=ctx.device)
+        per_rank = GLOBAL // world
+        losses = []
+        for rows in data:
+            share = rows[rank * per_rank:(rank + 1) * per_rank]
+            stepper.step(list(share.split(MICRO)))
+            losses.append(stepper.stats.read(lambda t: torch.distributed.all_reduce(t)))
+        weights = full_weights(model)
+        chosen.release()
+        return losses, weights
+
+
+def assert_same_run(result, reference, tol=1e-5):
+    (losses, weights), (ref_losses, ref_weights) = result, reference
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses)):
+        assert abs(loss - ref_loss) < tol and abs(norm - ref_norm) < tol * max(1.0, ref_norm), \
+            (step, loss, ref_loss, norm, ref_norm)
+    assert weights.keys() == ref_weights.keys()
+    for name, ref in ref_weights.items():
+        diff = (weights[name] - ref).abs().max().item()
+        assert diff < tol, (name, diff)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs():
+    data = batches()
+    return data, {world: run_ranks(train_rank, world, "ddp", data, timeout=90) for world in (2, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_matches_ddp_losses_norms_and_weights_with_accumulation(ddp_runs, world):
+    data, ddp = ddp_runs
+    fsdp = run_ranks(train_rank, world, "fsdp", data, timeout=90)
+    # Clipping bites (grad_clip=0.05): the sharded norm must equal DDP's for the weights to agree.
+    assert all(norm > 0.05 for _, norm in ddp[world][0][0])
+    for rank in range(world):
+        assert_same_run(fsdp[rank], ddp[world][0])
+
+
+def test_hsdp_on_four_ranks_as_two_by_two_matches_ddp(ddp_runs):
+    data, ddp = ddp_runs
+    hsdp = run_ranks(train_rank, 4, "hsdp", data, 2, timeout=90)
+    for rank in range(4):
+        assert_same_run(hsdp[rank], ddp[4][0])
+
+
+def test_fsdp_resharding_every_micro_batch_and_recomputing_activations_match_ddp(ddp_runs):
+    data, ddp = ddp_runs
+    fsdp = run_ranks(train_rank, 2, "fsdp", data, None, False, True, timeout=90)
+    assert_same_run(fsdp[0], ddp[2][0])
+
+
+def test_llama_8b_on_mocked_8x80gb_devices_is_refused_under_ddp_naming_fsdp_and_fits_under_fsdp():
+    # The device memory is mocked (80 GiB, an H100's, passed in): nothing here reads the host's.
+    params = estimate_params(preset_config("llama-8b"))
+    gpu = 80 * 2**30
+    with pytest.raises(UserError, match=r"dist.strategy=fsdp \(15\.0 GiB per rank\)") as refused:
+        check_fits(params, gpu, "one GPU", "error", "ddp", world_size=8, shard_size=8)
+    assert "under dist.strategy=ddp" in str(refused.value) and "119.7 GiB per rank" in str(refused.value)
+    assert check_fits(params, gpu, "one GPU", "error", "fsdp", world_size=8, shard_size=8) is None
+    # Two nodes of 8: hsdp (sharded by 8 within a node) fits too and is named beside fsdp.
+    with pytest.raises(UserError, match=r"dist.strategy=fsdp \(7\.5 GiB.*dist.strategy=hsdp \(15\.0 GiB"):
+        check_fits(params, gpu, "one GPU", "error", "ddp", world_size=16, shard_size=8)
+    # One 80 GB GPU: nothing fits, and the refusal says so.
+    with pytest.raises(UserError, match="Even dist.strategy=fsdp would need 119.7 GiB"):
+        check_fits(params, gpu, "one GPU", "error", "fsdp", world_size=1, shard_size=1)
+
+
+def test_preflight_on_mocked_8x80gb_devices_refuses_ddp_naming_fsdp_and_lets_fsdp_reshard_per_micro_batch(
+        tmp_path, monkeypatch):
+    # The device memory is mocked (80 GiB, an H100's): the verdict must not depend on this host's.
+    import podtrain.train.preflight as preflight
+    from podtrain.config import load_config
+    from synthetic_data import make_data_dir
+
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda device, local_ranks: 80 * 2**30)
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+
+    def check(*overrides):
+        cfg = load_config(None, [f"data.path={data}", "model.preset=llama-8b", "model.vocab_size=128256",
+                                 "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=16",
+                                 *overrides])
+        return preflight.check_run(cfg, 8, 8, torch.device("cpu"))
+
+    with pytest.raises(UserError, match=r"under dist.strategy=ddp .* Use FSDP .*dist.strategy=fsdp \(15.0 GiB"):
+        check()
+    checked = check("dist.strategy=fsdp")
+    # 15 GiB of shards + the full fp32 parameters and gradients (60 GiB) exceed 90% of 80 GiB:
+    # this run reshards and reduce-scatters every micro-batch instead of accumulating unsharded.
+    assert checked.accum == 2 and checked.accumulate_unsharded is False
+    assert check("dist.strategy=fsdp", "model.preset=llama-1b",
+                 "model.vocab_size=128256").accumulate_unsharded is True
+
+
+def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
+    data, ddp = ddp_runs
+    recomputed = run_ranks(train_rank, 2, "ddp", data, None, True, True, timeout=90)
+    assert_same_run(recomputed[0], ddp[2][0])
+
+
+def _evaluate_rank(rank, world, strategy, data_dir, seq):
+    from podtrain.data.loader import SampleIndex
+    from podtrain.data.manifest import read_manifest
+    from podtrain.train.evaluate import evaluate
+
+    with process_group(ClusterEnv.detect(), "gloo") as ctx:
+        precision = resolve_precision("fp32", ctx.device)
+        config = small_config()
+        config.vocab_size = 320
+        model = build_model(config, "eager", seed=0)
+        chosen = build_strategy(DistSection(strategy=strategy), ctx, precision, seq)
+        chosen.wrap(model)
+        index = SampleIndex(read_manifest(data_dir), "val", seq)
+        loss = evaluate(model, index, ctx, micro_batch_size=2, max_batches=50, precision=precision)
+        chosen.release()
+        return index.num_samples, loss
+
+
+def test_fsdp_evaluation_runs_in_lockstep_when_ranks_hold_unequal_validation_samples(tmp_path):
+    from synthetic_data import make_data_dir
+
+    data_dir = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=9 * 16 + 1)
+    ddp = run_ranks(_evaluate_rank, 4, "ddp", str(data_dir), 16, timeout=90)
+    fsdp = run_ranks(_evaluate_rank, 4, "fsdp", str(data_dir), 16, timeout=90)
+    # 9 samples on 4 ranks: rank 0 holds 3 (2 micro-batches of 2), the others 2 (one): without
+    # lockstep, rank 0's second forward would wait in an all-gather no other rank joins.
+    assert ddp[0][0] == 9
+    assert all(abs(loss - ddp[0][1]) < 1e-5 for _, loss in fsdp), (fsdp, ddp[0])
+
+
+def test_fp16_under_fsdp_is_refused_in_one_line(tmp_path):
+    from podtrain.config import load_config
+
+    with pytest.raises(UserError, match=r"'dist.strategy' \(hsdp\) does not support train.precision=fp16"):
+        load_config(None, ["dist.strategy=hsdp", "train.precision=fp16"])
+    with pytest.raises(UserError, match=r"'dist.shard_size' must be at least 1"):
+        load_config(None, ["dist.strategy=hsdp", "dist.shard_size=0"])
