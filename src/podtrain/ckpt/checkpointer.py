@@ -30,6 +30,10 @@ each one it skips) and broadcasts the choice; every rank then loads it (``podtra
 and the ranks agree on success before anyone continues. Loading goes tensor by tensor
 (``podtrain.ckpt.streamed_load``): each tensor's bytes go straight from the file into its
 parameter or optimizer state tensor, so no rank holds a second copy of the checkpoint.
+
+FSDP/HSDP runs (``podtrain.ckpt.sharded``): every rank writes its own shards (manifest layout
+``sharded``), and a resume at any world size or under any strategy reads only the pieces each
+rank holds; a DDP checkpoint continues under FSDP and a sharded one under DDP.
 """
 
 from __future__ import annotations
@@ -43,17 +47,17 @@ import torch
 from torch import nn
 
 from podtrain import __version__
-from podtrain.ckpt import layout
+from podtrain.ckpt import layout, sharded
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.state import capture_rng, restore_rng, to_plain
 from podtrain.ckpt.streamed_load import load_into
-from podtrain.ckpt.writer import CheckpointWriter, SaveJob, plan_files
+from podtrain.ckpt.writer import CheckpointWriter, SaveJob, dcp_shard_name, plan_files
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
-from podtrain.model import unwrap
+from podtrain.model import is_sharded, unwrap
 
 # The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
@@ -158,7 +162,10 @@ class Checkpointer:
         shared storage against rank 0's manifest (a stale cache would train another model)."""
         if not self.ctx.is_main:
             layout.check_files(path, manifest)
-        state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
+        if sharded.applies(unwrap(model), manifest):  # an FSDP/HSDP run, or a checkpoint of one
+            state = sharded.load(path, manifest, unwrap(model), optimizer, self._pool)
+        else:
+            state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         rngs = state.get("rng") or []
@@ -204,23 +211,31 @@ class Checkpointer:
                   scaler: torch.amp.GradScaler | None, train_state: dict) -> SaveJob:
         """The job of this save: small state captured, the tensors this rank writes in a stream."""
         job = SaveJob(step=step, rng=capture_rng(self.ctx.device))
-        writes_tensors = self.ctx.is_main or self.cfg.format == "dcp"
-        if writes_tensors:
-            net = unwrap(model)
+        net = unwrap(model)
+        shards = is_sharded(net)  # FSDP/HSDP: every rank writes its own pieces
+        if not (self.ctx.is_main or self.cfg.format == "dcp" or shards):
+            return job
+        state_items: list[tuple[str, torch.Tensor]] = []
+        sink = lambda name, t: state_items.append((name, t))  # noqa: E731
+        optim = None if shards else to_plain(optimizer.state_dict(), sink, "optimizer")
+        job.state_plain = {
+            "optimizer": optim,
+            "scaler": (to_plain(scaler.state_dict(), sink, "scaler")
+                       if scaler is not None and scaler.is_enabled() else None),
+            "train_state": to_plain({**train_state, "version": __version__,
+                                     "world_size": self.ctx.world_size}, sink, "train_state"),
+        }
+        config = getattr(net, "config", None)
+        job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
+        if shards:
+            snap = sharded.shard_items(net, optimizer, self.ctx.rank, state_items)
+            job.layout, job.aliases, job.offsets = layout.SHARDED, snap.aliases, snap.offsets
+            job.state_plain["optimizer"] = snap.optimizer
+            files = {f"{layout.DCP_SUBDIR}/{dcp_shard_name(self.ctx.rank)}": snap.items} if snap.items else {}
+        else:
             model_items, job.aliases = self._model_tensors(net)
-            state_items: list[tuple[str, torch.Tensor]] = []
-            sink = lambda name, t: state_items.append((name, t))  # noqa: E731
-            job.state_plain = {
-                "optimizer": to_plain(optimizer.state_dict(), sink, "optimizer"),
-                "scaler": (to_plain(scaler.state_dict(), sink, "scaler")
-                           if scaler is not None and scaler.is_enabled() else None),
-                "train_state": to_plain({**train_state, "version": __version__,
-                                         "world_size": self.ctx.world_size}, sink, "train_state"),
-            }
-            config = getattr(net, "config", None)
-            job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
             files = plan_files(self.cfg.format, self.ctx.rank, self.ctx.world_size, model_items, state_items)
-            job.stream = SaveStream(self._pool, files) if files else None
+        job.stream = SaveStream(self._pool, files) if files else None
         return job
 
     def _model_tensors(self, net: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:

@@ -7,8 +7,8 @@
         state.safetensors            optimizer tensors, RNG tensors of every rank
         state.json                   everything else, plain JSON (see ``podtrain.ckpt.checkpointer``)
         config.json                  the transformers model config
-        dcp/*.safetensors            (format=dcp) shards written by every rank instead of the two
-                                     .safetensors files above
+        dcp/*.safetensors            (format=dcp, or any fsdp/hsdp run) shards written by every
+                                     rank instead of the two .safetensors files above
         manifest.json                written last: size and SHA-256 of every file above
     RUN_DIR/ckpt/latest              "step_000123": the newest complete checkpoint (a hint)
     RUN_DIR/ckpt/.tmp-step_000124-*  a save in progress (never chosen; removed at the next start)
@@ -47,6 +47,8 @@ STATE_FILE = "state.safetensors"
 STATE_JSON = "state.json"
 CONFIG_JSON = "config.json"
 DCP_SUBDIR = "dcp"
+# The manifest "layout" of an FSDP/HSDP checkpoint: dcp/ holds every rank's pieces (ckpt/sharded.py).
+SHARDED = "sharded"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 # Files a checkpoint may list: safetensors and JSON only (both parsed without running code).
 _ALLOWED = re.compile(r"^(?:dcp/)?[A-Za-z0-9_.\-]+\.(?:safetensors|json)$")

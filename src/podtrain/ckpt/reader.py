@@ -21,7 +21,7 @@ from torch import nn
 
 from podtrain.ckpt import layout
 from podtrain.ckpt.state import from_plain
-from podtrain.ckpt.tensorio import read_safetensors
+from podtrain.ckpt.tensorio import read_dcp_folder, read_safetensors
 from podtrain.errors import UserError
 
 
@@ -42,11 +42,14 @@ class CheckpointData:
 def read_checkpoint(path: Path, manifest: dict) -> CheckpointData:
     """Read a validated checkpoint directory (files named by ``manifest``); no process group."""
     state_raw = json.loads((path / layout.STATE_JSON).read_text())
-    if manifest.get("layout") == "dcp":
+    if manifest.get("layout") in ("dcp", layout.SHARDED):
         merged: dict[str, torch.Tensor] = {}
-        for rel in manifest["files"]:
-            if rel.startswith(f"{layout.DCP_SUBDIR}/"):
-                merged.update(read_safetensors(path / rel))  # DDP: every tensor whole in one shard
+        if manifest["layout"] == layout.SHARDED:  # FSDP/HSDP: every rank's pieces, put together
+            merged = read_dcp_folder(path / layout.DCP_SUBDIR)
+        else:
+            for rel in manifest["files"]:
+                if rel.startswith(f"{layout.DCP_SUBDIR}/"):
+                    merged.update(read_safetensors(path / rel))  # DDP: every tensor whole in one shard
         weights = {k[len("model/"):]: v for k, v in merged.items() if k.startswith("model/")}
         tensors = {k[len("state/"):]: v for k, v in merged.items() if k.startswith("state/")}
         tensors.update(read_safetensors(path / layout.STATE_FILE))

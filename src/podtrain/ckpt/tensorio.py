@@ -252,3 +252,21 @@ def _read_staged(fh, stored: StoredTensor, flat: torch.Tensor, pool: StagingPool
             slab, event = in_flight.popleft()
             event.synchronize()
             pool.release(slab)
+
+
+def read_dcp_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Whole tensors from a folder of DCP safetensors shards (each file holds pieces of tensors,
+    their offsets in its header, as ``HuggingFaceStorageWriter`` writes them), put together in
+    this one process: no process group, safetensors only, nothing unpickled."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    metadata = HuggingFaceStorageReader(str(folder)).read_metadata()
+    tensors = {name: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for name, md in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # DCP warns that it loads without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
+    return tensors

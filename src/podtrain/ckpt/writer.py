@@ -12,6 +12,8 @@ they never interleave with the main thread's collectives on the default group.
   the layout of ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` (so ``dcp.load``
   with ``HuggingFaceStorageReader`` reads it too; no pickled metadata), and sends rank 0 the
   shard's size and SHA-256, computed while writing.
+* FSDP/HSDP runs (``SaveJob.layout`` = ``sharded``): the same, but each rank's shard holds its own
+  pieces of the DTensors, their offsets in the header (``podtrain.ckpt.sharded``).
 
 The tensor bytes arrive through the job's ``SaveStream`` (``podtrain.ckpt.staging``), slab by
 slab, while the step loop is still copying: host memory for a save stays within
@@ -74,6 +76,10 @@ class SaveJob:
     aliases: dict[str, str] = field(default_factory=dict)
     state_plain: dict[str, Any] = field(default_factory=dict)
     model_config: str | None = None
+    layout: str | None = None
+    """``layout.SHARDED`` for an FSDP/HSDP run's pieces (written like format=dcp); None: ckpt.format."""
+    offsets: dict[str, list[int]] = field(default_factory=dict)
+    """Each piece's offset in its whole tensor (sharded layout; whole tensors: none)."""
     stall_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -105,9 +111,11 @@ def plan_files(fmt: str, rank: int, world_size: int, model: TensorItems, state: 
     return {f"{layout.DCP_SUBDIR}/{dcp_shard_name(rank)}": mine} if mine else {}
 
 
-def dcp_shard_metadata(specs: list[TensorSpec]) -> dict[str, str]:
-    """A shard's safetensors metadata as HuggingFaceStorageWriter writes it (whole tensors)."""
-    sharding = {s.name: {"saved_offsets": [0] * len(s.shape)} for s in specs}
+def dcp_shard_metadata(specs: list[TensorSpec], offsets: dict[str, list[int]] | None = None) -> dict[str, str]:
+    """A shard's safetensors metadata as HuggingFaceStorageWriter writes it: where each stored
+    piece starts in its whole tensor (``offsets``; whole tensors start at 0)."""
+    offsets = offsets or {}
+    sharding = {s.name: {"saved_offsets": offsets.get(s.name, [0] * len(s.shape))} for s in specs}
     return {DCP_SHARDING_INFO: json.dumps(sharding), "DCP_VERSION": DCP_VERSION, "format": "pt"}
 
 
@@ -177,7 +185,7 @@ class CheckpointWriter:
 
     def _write_collectively(self, job: SaveJob) -> None:
         rngs = self._gather(job.rng)
-        if self.cfg.format == "dcp":
+        if self.cfg.format == "dcp" or job.layout == layout.SHARDED:
             self._write_dcp(job, rngs)
             return
         error = None
@@ -248,7 +256,7 @@ class CheckpointWriter:
             try:
                 for rel, specs in job.stream.specs.items():
                     records[rel] = write_safetensors_stream(tmp / rel, specs, job.stream.chunks(rel),
-                                                            dcp_shard_metadata(specs))
+                                                            dcp_shard_metadata(specs, job.offsets))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         # Every rank's share is on disk (or someone failed) before rank 0 seals the directory.
@@ -274,7 +282,7 @@ class CheckpointWriter:
         if job.model_config is not None:
             files[layout.CONFIG_JSON] = write_json(tmp / layout.CONFIG_JSON, json.loads(job.model_config))
         manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__,
-                    "layout": self.cfg.format, "world_size": self.ctx.world_size,
+                    "layout": job.layout or self.cfg.format, "world_size": self.ctx.world_size,
                     "created": time.time(),
                     "files": {k: {"bytes": r.bytes, "sha256": r.sha256} for k, r in files.items()}}
         write_json(tmp / layout.MANIFEST, manifest)
