@@ -152,6 +152,15 @@ def test_plan_json_chooses_fsdp_when_ddp_cannot_fit(repo, capsys):
     by = {s["strategy"]: s for s in plan["strategies"]}
     assert by["ddp"]["max_micro_batch"] == 0  # 16 bytes x 8B params > 80 GB
     assert plan["strategy"] in ("hsdp", "fsdp") and by[plan["strategy"]]["max_micro_batch"] >= 1
+    # The config asks for the default ddp: the plan says it does not fit and what to set instead.
+    assert plan["note"] == ("the config's dist.strategy=ddp with train.activation_checkpointing=none does "
+                            f"not fit at train.micro_batch_size=1: set dist.strategy={plan['strategy']} "
+                            "train.activation_checkpointing=none")
+    # Asked for fsdp, the plan keeps it (it fits) and has nothing to say.
+    code, out = _cli(capsys, "plan", str(repo / "configs/demo.yaml"), "--json", "--instance-type",
+                     "p5.48xlarge", "model.preset=llama-8b", "data.seq_len=4096", "dist.strategy=fsdp",
+                     "train.micro_batch_size=1", "train.global_batch_size=8", "data.path=/nonexistent")
+    assert code == 0 and json.loads(out.out)["strategy"] == "fsdp" and json.loads(out.out)["note"] is None
 
 
 def _slowed_run(repo, tmp_path, data, fault):

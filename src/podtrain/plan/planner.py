@@ -59,6 +59,8 @@ class Plan:
     tokens_per_step: int
     tokens: int
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    note: str | None = None
+    """Set when the plan's strategy is not the config's (which does not fit)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,7 +92,7 @@ class Plan:
             "activation_checkpointing": self.checkpointing, "step": self.time.as_dict(),
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
             "tokens": self.tokens, "seconds_to_tokens": self.seconds_to_tokens,
-            "cost_usd": self.cost_usd, "scaling": self.scaling,
+            "cost_usd": self.cost_usd, "scaling": self.scaling, "note": self.note,
         }
 
 
@@ -126,15 +128,21 @@ def strategy_fits(cfg: RunConfig, shape: ModelShape, machine: Machine, world: in
 
 
 def choose(cfg: RunConfig, fits: list[StrategyFit]) -> tuple[str, bool] | None:
-    """The config's dist.strategy when it has one, else the first of ddp, hsdp, fsdp whose memory
-    fits at the config's micro-batch, preferring no activation checkpointing; None if none fits."""
-    wanted = getattr(cfg.dist, "strategy", None)
+    """The config's dist.strategy (and train.activation_checkpointing) when its memory fits at the
+    config's micro-batch, else the first of ddp, hsdp, fsdp that fits, preferring no activation
+    checkpointing; None if none fits. The report says when this is not the config's choice."""
+    wanted = cfg.dist.strategy
     fsdp_shards = next(f.shards for f in fits if f.strategy == "fsdp")
     # On one node HSDP is FSDP: name it so.
+    if wanted == "hsdp" and next(f.shards for f in fits if f.strategy == "hsdp") == fsdp_shards:
+        wanted = "fsdp"
     candidates = [f for f in fits if not (f.strategy == "hsdp" and f.shards == fsdp_shards)]
-    order = [f for f in fits if f.strategy == wanted] if wanted in STRATEGIES else \
-        sorted(candidates, key=lambda f: ("ddp", "hsdp", "fsdp").index(f.strategy))
+    order = sorted(candidates, key=lambda f: (f.strategy != wanted, ("ddp", "hsdp", "fsdp").index(f.strategy)))
     micro = cfg.train.micro_batch_size
+    wanted_ac = cfg.train.activation_checkpointing == "full"
+    if order[0].strategy == wanted and \
+            (order[0].max_micro_batch_ac if wanted_ac else order[0].max_micro_batch) >= micro:
+        return wanted, wanted_ac
     for ac in (False, True):
         for f in order:
             if (f.max_micro_batch_ac if ac else f.max_micro_batch) >= micro:
@@ -155,10 +163,17 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
     if chosen is None:
         raise UserError(_no_fit_message(cfg, shape, machine, nodes, dtype_bytes))
     strategy, ac = chosen
+    note = None
+    if (strategy, ac) != (cfg.dist.strategy, cfg.train.activation_checkpointing == "full"):
+        note = (f"the config's dist.strategy={cfg.dist.strategy} with train.activation_checkpointing="
+                f"{cfg.train.activation_checkpointing} does not fit at train.micro_batch_size="
+                f"{cfg.train.micro_batch_size}: set dist.strategy={strategy} "
+                f"train.activation_checkpointing={'full' if ac else 'none'}")
     time = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac)
     plan = Plan(machine=machine, shape=shape, nodes=nodes, world=world, precision=precision,
                 fits=fits, strategy=strategy, checkpointing=ac, time=time,
-                tokens_per_step=_tokens_per_step(cfg, world), tokens=tokens or TOKENS_PER_PARAM * shape.params)
+                tokens_per_step=_tokens_per_step(cfg, world), tokens=tokens or TOKENS_PER_PARAM * shape.params,
+                note=note)
     plan.scaling = scaling_table(cfg, shape, machine, strategy, dtype_bytes, ac, plan.tokens)
     return plan
 

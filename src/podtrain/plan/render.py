@@ -55,6 +55,7 @@ def render_plan(plan: Any) -> str:
     ac = " with activation checkpointing" if plan.checkpointing else ""
     out += [
         "",
+        *([f"note: {plan.note}"] if plan.note else []),
         f"plan: {plan.strategy}{ac}; per step ({plan.tokens_per_step:,} tokens):",
         table(["component", "time"], [
             ["compute", duration(t.compute_s)], ["optimizer", duration(t.optimizer_s)],
