@@ -24,6 +24,8 @@ budget is recorded as skipped, never silently dropped):
                  next collective is enqueued and never completes, the shape of a hung NCCL
                  peer): the watchdog must end the run with exit 124 and write stack and
                  collective dumps within dist.timeout_s=20
+  fsdp           dist.strategy=fsdp (FSDP2, bf16 MixedPrecisionPolicy): 20 steps to a sharded
+                 checkpoint, resumed to 30 under ddp; tokens/s fsdp vs ddp on gpt2-124m
   throughput     podtrain (defaults) against the bare DDP loop (bench/bare_ddp.py) on the same
                  GPU: tokens/s and MFU for gpt2-124m and qwen2.5-0.5b, bf16, seq 1024, eager and
                  torch.compile; prints podtrain/bare per configuration
@@ -320,13 +322,48 @@ def stage_throughput(s: Session) -> dict[str, Any]:
     return {"ok": ok, "runs": rows}
 
 
-def _podtrain_throughput(s: Session, preset: str, compiled: bool, seq: int, micro: int, global_batch: int) -> dict[str, Any]:
-    run = f"tput-{preset}-{'compiled' if compiled else 'eager'}"
+def stage_fsdp(s: Session) -> dict[str, Any]:
+    # dist.strategy=fsdp on this device (FSDP2 with bf16 MixedPrecisionPolicy on a GPU): 20 steps
+    # written as a sharded checkpoint, continued to 30 under ddp; then tokens/s fsdp vs ddp.
+    first = s.podtrain(*s.train_args("fsdp", 20, "dist.strategy=fsdp", "eval.every=0"), timeout=600)
+    layout = None
+    manifest = s.run_dir("fsdp") / "ckpt" / "step_000020" / "manifest.json"
+    if manifest.is_file():
+        layout = json.loads(manifest.read_text()).get("layout")
+    second = s.podtrain(*s.train_args("fsdp", 30, "dist.strategy=ddp", "eval.every=0"), timeout=600)
+    rows = _metrics(s.run_dir("fsdp"))
+    failures: list[str] = []
+    _expect(first.returncode == 0, f"fsdp run exit code {first.returncode}", failures)
+    _expect(layout == "sharded", f"checkpoint layout {layout}", failures)
+    _expect("strategy fsdp" in first.stdout + first.stderr, "strategy fsdp not logged", failures)
+    _expect(second.returncode == 0 and "resumed from" in second.stdout + second.stderr,
+            f"ddp resume of the fsdp checkpoint: exit code {second.returncode}", failures)
+    _expect(bool(rows) and rows[-1]["step"] == 30 and rows[-1]["loss"] < rows[0]["loss"],
+            "loss did not fall over fsdp then ddp", failures)
+    preset = "gpt2-124m" if s.mode.gpu else s.mode.preset
+    seq, micro = (1024, 8) if s.mode.gpu else (s.mode.seq_len, 8)
+    rates = {}
+    if not s.over_budget():
+        for strategy in ("ddp", "fsdp"):
+            got = _podtrain_throughput(s, preset, False, seq, micro, micro * s.mode.nproc * 2,
+                                       f"dist.strategy={strategy}")
+            rates[strategy] = got.get("tokens_per_s")
+            _expect(bool(rates[strategy]), f"{strategy} throughput run: {got.get('podtrain_log', '')[-300:]}",
+                    failures)
+    ratio = round(rates["fsdp"] / rates["ddp"], 3) if rates.get("fsdp") and rates.get("ddp") else None
+    return {"ok": not failures, "failures": failures, "layout": layout, "preset": preset,
+            "tokens_per_s": rates, "fsdp_over_ddp": ratio,
+            "log": "" if not failures else _tail(first) + _tail(second)}
+
+
+def _podtrain_throughput(s: Session, preset: str, compiled: bool, seq: int, micro: int, global_batch: int,
+                         *extra: str) -> dict[str, Any]:
+    run = f"tput-{preset}-{'compiled' if compiled else 'eager'}" + "".join(f"-{e.split('=')[-1]}" for e in extra)
     args = ["train", "configs/demo.yaml", f"run.dir={s.run_dir(run)}", f"data.path={s.data}",
             f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch_size={micro}",
             f"train.global_batch_size={global_batch}", "train.steps=25", "log.every=5", "eval.every=0",
             "ckpt.every=0", "log.progress=off", f"train.precision={s.mode.precision}",
-            f"dist.backend={s.mode.backend}", f"train.compile={'true' if compiled else 'false'}"]
+            f"dist.backend={s.mode.backend}", f"train.compile={'true' if compiled else 'false'}", *extra]
     proc = s.torchrun("-m", "podtrain.cli", *args, timeout=900)
     steady = [r for r in _metrics(s.run_dir(run)) if r["step"] > 5]
     if proc.returncode or not steady:
@@ -341,7 +378,7 @@ STAGES: list[tuple[str, Callable[[Session], dict[str, Any]]]] = [
     ("environment", stage_environment), ("prepare", stage_prepare), ("train", stage_train),
     ("golden_resume", stage_golden_resume), ("compile", stage_compile), ("export", stage_export),
     ("sample", stage_sample), ("collectives", stage_collectives), ("doctor", stage_doctor),
-    ("hang", stage_hang), ("throughput", stage_throughput),
+    ("hang", stage_hang), ("fsdp", stage_fsdp), ("throughput", stage_throughput),
 ]
 NEEDS = {"train": "prepare", "golden_resume": "train", "compile": "prepare", "export": "train",
          "sample": "train", "hang": "prepare", "throughput": "prepare"}
