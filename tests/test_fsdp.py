@@ -151,6 +151,21 @@ def test_preflight_on_mocked_8x80gb_devices_refuses_ddp_naming_fsdp_and_lets_fsd
     assert checked.accum == 2 and checked.accumulate_unsharded is False
     assert check("dist.strategy=fsdp", "model.preset=llama-1b",
                  "model.vocab_size=128256").accumulate_unsharded is True
+    # Two nodes of 8: the refusal of ddp names hsdp (sharded within a node) beside fsdp.
+    cfg = load_config(None, [f"data.path={data}", "model.preset=llama-8b", "model.vocab_size=128256",
+                             "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=16"])
+    with pytest.raises(UserError, match=r"dist.strategy=fsdp \(7.5 GiB per rank\) or dist.strategy=hsdp \(15.0 GiB"):
+        preflight.check_run(cfg, 16, 8, torch.device("cpu"))
+
+
+def test_fsdp_start_up_peak_is_checked_too_on_mocked_24gb_devices():
+    # Mocked 24 GiB devices (an A10G's): llama-8b's shards (15 GiB on 8 ranks) would fit, but each
+    # rank first builds the whole fp32 model (30 GiB, plus its shards) before sharding it.
+    params = estimate_params(preset_config("llama-8b"))
+    with pytest.raises(UserError, match=r"builds the whole fp32 model on every device before sharding it, ~33.7 GiB"):
+        check_fits(params, 24 * 2**30, "one GPU", "error", "fsdp", world_size=8, shard_size=8)
+    with pytest.raises(UserError, match=r"dist.strategy=fsdp would hold 15.0 GiB per rank, but builds the whole"):
+        check_fits(params, 24 * 2**30, "one GPU", "error", "ddp", world_size=8, shard_size=8)
 
 
 def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
@@ -196,3 +211,46 @@ def test_fp16_under_fsdp_is_refused_in_one_line(tmp_path):
         load_config(None, ["dist.strategy=hsdp", "train.precision=fp16"])
     with pytest.raises(UserError, match=r"'dist.shard_size' must be at least 1"):
         load_config(None, ["dist.strategy=hsdp", "dist.shard_size=0"])
+
+
+def _collectives_per_step(rank, world, unsharded, data):
+    """All-gathers and reduce-scatters FSDP issues per optimizer step of 4 micro-batches."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for op in counts:  # FSDP2 (torch 2.13) calls these through torch.distributed at call time
+        real = getattr(dist, f"{op}_single")
+
+        def counted(*args, _real=real, _op=op, **kwargs):
+            counts[_op] += 1
+            return _real(*args, **kwargs)
+        setattr(dist, f"{op}_single", counted)
+    with process_group(ClusterEnv.detect(), "gloo") as ctx:
+        precision = resolve_precision("fp32", ctx.device)
+        model = build_model(small_config(), "eager", seed=0)
+        chosen = build_strategy(DistSection(strategy="fsdp"), ctx, precision, SEQ, unsharded)
+        wrapped = chosen.wrap(model)
+        opt = build_optimizer(model, OptimSection(lr=3e-3, implementation="foreach"), ctx.device)
+        stepper = Stepper(wrapped, chosen, opt, chosen.forward_precision(precision), grad_clip=1.0,
+                          world_size=world, global_target_tokens=GLOBAL * SEQ, device=ctx.device)
+        out = []
+        for rows in data:
+            for op in counts:
+                counts[op] = 0
+            stepper.step(list(rows[rank * 4:(rank + 1) * 4].split(1)))
+            out.append(dict(counts))
+        chosen.release()
+        return out
+
+
+def test_unsharded_accumulation_gathers_each_layer_once_and_reduces_once_per_step():
+    # 3 FSDP groups (2 decoder layers + the root), 4 micro-batches per rank.
+    data = batches(2)
+    unsharded = run_ranks(_collectives_per_step, 2, True, data, timeout=90)[0]
+    resharded = run_ranks(_collectives_per_step, 2, False, data, timeout=90)[0]
+    assert all(c["reduce_scatter"] == 3 for c in unsharded), unsharded
+    assert all(c["reduce_scatter"] == 12 for c in resharded), resharded
+    # Kept gathered, each group is gathered once per step; resharding gathers each layer for every
+    # forward and every backward (the root, kept after its forward, once per micro-batch).
+    assert all(c["all_gather"] == 3 for c in unsharded), unsharded
+    assert all(c["all_gather"] == 4 * (2 * 2 + 1) for c in resharded), resharded

@@ -84,6 +84,13 @@ def test_fsdp_golden_resume_after_sigkill_of_one_rank_mid_step(data, tmp_path, r
 
     got, want = losses(killed), losses(golden)
     assert sorted(got) == list(range(1, STEPS + 1)) and got == want  # bitwise, every step
+    # Stopped before the first step (a save of step 0, the optimizer still empty) and resumed:
+    # the same run too (no AdamW state invented by the save).
+    early = tmp_path / "early"
+    assert run(2, repo, early, data, "dist.strategy=fsdp", stop_at=0)[0] == 0
+    assert json.loads((early / "ckpt" / layout.step_name(0) / layout.STATE_JSON).read_text())["optimizer"] is None
+    assert run(2, repo, early, data, "dist.strategy=fsdp") == (STEPS, 0)
+    assert losses(early) == want
     # The offline reader (export, sample) gathers the shards into whole weights.
     _, weights, step = load_latest_weights(killed)
     _, golden_weights, _ = load_latest_weights(golden)
@@ -134,3 +141,40 @@ def test_hsdp_two_by_two_writes_one_replica_and_resumes_under_fsdp_on_two_ranks(
     assert sorted(got) == list(range(4, STEPS + 1))
     for step, loss in got.items():
         assert abs(loss - want[step]) < 1e-5, (step, loss, want[step])
+
+
+def _resume_with_a_stale_file_on_rank_1(rank, world, repo, run_dir, data):
+    """Resume with rank 1's view of one checkpoint file wrong (a stale cache): the error it raises."""
+    import os
+
+    from podtrain.ckpt import layout as ckpt_layout
+    from podtrain.config import load_config
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.errors import UserError
+    from podtrain.train import loop
+
+    def check_files(path, manifest):
+        if rank == 1:
+            raise UserError(f"{path}/dcp/shard-00001: SHA-256 differs from rank 0's manifest")
+
+    ckpt_layout.check_files = check_files
+    cfg = load_config(os.path.join(repo, "configs/demo.yaml"),
+                      [f"run.dir={run_dir}", f"data.path={data}", *OVERRIDES, "dist.strategy=fsdp",
+                       "dist.init_timeout_s=60", "dist.timeout_s=60"])
+    try:
+        loop.train(cfg, ClusterEnv.detect())
+    except UserError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_whose_checkpoint_file_is_stale_stops_every_rank_before_the_collective_load(data, tmp_path, repo):
+    import time
+
+    run_dir = tmp_path / "run"
+    assert run(2, repo, run_dir, data, "dist.strategy=fsdp", stop_at=3)[0] == 3
+    t0 = time.monotonic()
+    errors = run_ranks(_resume_with_a_stale_file_on_rank_1, 2, str(repo), str(run_dir), str(data), timeout=50)
+    # Every rank stops at once with rank 1's reason (not in dcp.load, waiting for rank 1 until a timeout).
+    assert time.monotonic() - t0 < 40
+    assert "SHA-256 differs" in errors[1] and "rank 1" in errors[0], errors

@@ -161,6 +161,11 @@ def test_plan_json_chooses_fsdp_when_ddp_cannot_fit(repo, capsys):
                      "p5.48xlarge", "model.preset=llama-8b", "data.seq_len=4096", "dist.strategy=fsdp",
                      "train.micro_batch_size=1", "train.global_batch_size=8", "data.path=/nonexistent")
     assert code == 0 and json.loads(out.out)["strategy"] == "fsdp" and json.loads(out.out)["note"] is None
+    # hsdp on one node is fsdp: named so, and nothing to correct.
+    code, out = _cli(capsys, "plan", str(repo / "configs/demo.yaml"), "--json", "--instance-type",
+                     "p5.48xlarge", "model.preset=llama-8b", "data.seq_len=4096", "dist.strategy=hsdp",
+                     "train.micro_batch_size=1", "train.global_batch_size=8", "data.path=/nonexistent")
+    assert code == 0 and json.loads(out.out)["strategy"] == "fsdp" and json.loads(out.out)["note"] is None
 
 
 def _slowed_run(repo, tmp_path, data, fault):

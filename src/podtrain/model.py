@@ -78,19 +78,23 @@ def preset_config(preset: str, vocab_size: int | None = None) -> Any:
     return config
 
 
-def build_model(config: Any, attn_implementation: str = "sdpa", seed: int | None = None) -> nn.Module:
+def build_model(config: Any, attn_implementation: str = "sdpa", seed: int | None = None,
+                device: torch.device | str | None = None) -> nn.Module:
     """A randomly initialised causal LM (fp32 master weights) from a transformers config.
 
     With ``seed`` the initialisation is a pure function of it, so every rank builds the same
-    weights (DDP also broadcasts rank 0's, and ``check_replicas_identical`` verifies it).
+    weights (DDP and FSDP also broadcast rank 0's, and ``check_replicas`` verifies it). With
+    ``device`` the weights are created and initialised there: on a GPU no rank first holds a
+    whole copy in host memory, which 8 ranks of a node would otherwise need at once.
     """
     from transformers import AutoModelForCausalLM
 
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+        with torch.device(device or "cpu"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                     dtype=torch.float32)
     except (ValueError, ImportError) as exc:
         raise UserError(f"model.attn_implementation={attn_implementation!r}: {exc}") from None
     return model

@@ -106,17 +106,11 @@ class Checkpointer:
         if check is not None:
             check(choice["train_state"], int(manifest["step"]), str(path))
         t0 = time.perf_counter()
-        failure = None
-        train_state = None
-        try:
-            train_state = self._load(path, manifest, model, optimizer, scaler)
-        except Exception as exc:  # agreed below, so no rank waits on one that failed
-            failure = exc
-        self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
-        if isinstance(failure, UserError):
-            raise UserError(f"resuming from {path} failed: {failure}") from None
-        if failure is not None:
-            raise failure
+        # Two phases, each agreed: what a rank checks alone (its files, the checkpoint's names
+        # against this model), then the load, which is collective for sharded checkpoints
+        # (dcp.load): no rank enters it while another has already failed.
+        loaded = self._agreed(path, lambda: self._prepare(path, manifest, model, optimizer))
+        train_state = self._agreed(path, lambda: self._load(path, manifest, loaded, model, optimizer, scaler))
         self._last_step = int(manifest["step"])
         log.info("resumed from %s (step %d) in %.1f s", path, self._last_step, time.perf_counter() - t0)
         return train_state
@@ -154,16 +148,38 @@ class Checkpointer:
             raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
         return value
 
-    def _load(self, path: Path, manifest: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler | None) -> dict:
-        """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it.
+    def _agreed(self, path: Path, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
+        failure, result = None, None
+        try:
+            result = fn()
+        except Exception as exc:  # agreed below, so no rank waits on one that failed
+            failure = exc
+        self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+        if isinstance(failure, UserError):
+            raise UserError(f"resuming from {path} failed: {failure}") from None
+        if failure is not None:
+            raise failure
+        return result
+
+    def _prepare(self, path: Path, manifest: dict, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> sharded.ShardedLoad | None:
+        """Every rank alone, no collective: check what it will read.
 
         Rank 0 verified every file's SHA-256 when it chose; the others check their own view of
-        shared storage against rank 0's manifest (a stale cache would train another model)."""
+        shared storage against rank 0's manifest (a stale cache would train another model). A
+        sharded load is planned here (names checked, targets allocated); None: a whole-tensor load."""
         if not self.ctx.is_main:
             layout.check_files(path, manifest)
         if sharded.applies(unwrap(model), manifest):  # an FSDP/HSDP run, or a checkpoint of one
-            state = sharded.load(path, manifest, unwrap(model), optimizer, self._pool)
+            return sharded.prepare(path, manifest, unwrap(model), optimizer)
+        return None
+
+    def _load(self, path: Path, manifest: dict, loaded: sharded.ShardedLoad | None, model: nn.Module,
+              optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> dict:
+        """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it."""
+        if loaded is not None:
+            state = sharded.load(loaded, path, manifest, unwrap(model), optimizer, self._pool)
         else:
             state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
         if scaler is not None and state.get("scaler"):

@@ -35,6 +35,7 @@ from torch import nn
 
 from podtrain.ckpt import layout
 from podtrain.ckpt.host_buffers import StagingPool
+from podtrain.ckpt.reader import check_fit
 from podtrain.ckpt.state import from_plain, to_plain
 from podtrain.ckpt.streamed_load import index_checkpoint
 from podtrain.ckpt.tensorio import read_safetensors
@@ -100,16 +101,25 @@ class ShardedSnapshot:
 def shard_items(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
                 extra_state: TensorItems) -> ShardedSnapshot:
     """This rank's pieces of the model (``model/<name>``) and optimizer (``state/optimizer/<key>``),
-    plus the small ``extra_state`` tensors (train state, scaler: ``state/<name>``) on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    plus the small ``extra_state`` tensors (train state, scaler: ``state/<name>``) on rank 0.
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    An optimizer without state yet (a save before the first step) is saved as none:
+    ``get_state_dict`` would first create its state with a fake step, which the resumed run
+    would then carry (AdamW's step count 1 and zero moments) where an uninterrupted one has none.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     snap = ShardedSnapshot(aliases=tied_aliases(model))
+    if optimizer.state:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    else:
+        model_sd, optim_sd = get_model_state_dict(model, options=_options()), None
     for name, tensor in model_sd.items():
         if name not in snap.aliases:
             snap.add(f"model/{name}", tensor, rank)
     state: TensorItems = []
-    snap.optimizer = to_plain(optim_sd, lambda n, t: state.append((n, t)), "optimizer")
+    if optim_sd is not None:
+        snap.optimizer = to_plain(optim_sd, lambda n, t: state.append((n, t)), "optimizer")
     for name, tensor in [*state, *extra_state]:
         snap.add(f"state/{name}", tensor, rank)
     return snap
@@ -122,58 +132,103 @@ def applies(model: nn.Module, manifest: dict) -> bool:
     return is_sharded(model) or manifest.get("layout") == layout.SHARDED
 
 
-def load(path: Path, manifest: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
-         pool: StagingPool) -> dict:
-    """Load a checkpoint into this run's (sharded or whole) model and optimizer; every rank calls.
+@dataclass
+class ShardedLoad:
+    """A load planned by ``prepare`` (each rank alone), applied by ``load`` (every rank together)."""
 
-    Returns the rest of the decoded state.json (``train_state``, ``rng``, ...), as
-    ``streamed_load.load_into`` does.
-    """
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    raw: dict
+    """The decoded state.json, tensors still referenced by name."""
+    model_sd: dict[str, torch.Tensor]
+    """This run's model state targets (DTensor shards under FSDP/HSDP, whole tensors else)."""
+    optim_sd: dict[str, Any] | None
+    """This run's flattened optimizer state targets; None: the checkpoint has no optimizer state."""
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sharded checkpoints: every stored name this rank reads, to the tensor it fills."""
+    rest: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sharded checkpoints: the small state tensors (train state, scaler), read whole."""
+    whole: Any = None
+    """Whole-tensor checkpoints: ``(weights, state)`` indexes of the files (``index_checkpoint``)."""
+
+
+def prepare(path: Path, manifest: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> ShardedLoad:
+    """Plan loading ``path`` into this run's model and optimizer: no collective, nothing read but
+    headers and state.json; a checkpoint of another model or optimizer is a one-line UserError."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     raw = json.loads((path / layout.STATE_JSON).read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    saved = raw.get("optimizer")
+    has_optimizer = bool(saved) and (manifest.get("layout") == layout.SHARDED or bool(saved.get("state")))
+    if has_optimizer:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    else:  # saved before the first step: the optimizer starts empty, as it did then
+        model_sd, optim_sd = get_model_state_dict(model, options=_options()), None
+    plan = ShardedLoad(raw, model_sd, optim_sd)
     if manifest.get("layout") == layout.SHARDED:
-        tensors = _read_pieces(path, raw, model_sd, optim_sd)
-        optim_sd = from_plain(raw["optimizer"], tensors)
+        _plan_pieces(plan, path)
     else:
-        tensors = _read_whole(path, manifest, raw, model, optimizer, model_sd, optim_sd, pool)
+        _plan_whole(plan, path, manifest, model, optimizer)
+    return plan
+
+
+def load(plan: ShardedLoad, path: Path, manifest: dict, model: nn.Module,
+         optimizer: torch.optim.Optimizer, pool: StagingPool) -> dict:
+    """Apply ``plan`` (every rank calls: ``dcp.load`` is collective). Returns the rest of the
+    decoded state.json (``train_state``, ``rng``, ...), as ``streamed_load.load_into`` does."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    raw = plan.raw
+    if manifest.get("layout") == layout.SHARDED:
+        tensors = _read_pieces(plan, path)
+        optim_sd = from_plain(raw["optimizer"], tensors) if plan.optim_sd is not None else None
+    else:
+        tensors = _read_whole(plan, model, optimizer, pool)
+        optim_sd = plan.optim_sd
     try:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=_options())
+        if optim_sd is None:
+            set_model_state_dict(model, plan.model_sd, options=_options())
+        else:
+            set_state_dict(model, optimizer, model_state_dict=plan.model_sd, optim_state_dict=optim_sd,
+                           options=_options())
     except (KeyError, ValueError, RuntimeError) as exc:
         raise UserError(f"checkpoint {path}: optimizer state does not fit this optimizer ({exc})") from None
     return {k: from_plain(v, tensors) for k, v in raw.items() if k not in ("aliases", "optimizer")}
 
 
-def _read_pieces(path: Path, raw: dict, model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
-    """A sharded checkpoint: DCP reads the pieces overlapping this run's targets in place.
+def _plan_pieces(plan: ShardedLoad, path: Path) -> None:
+    """A sharded checkpoint: the names to read into this run's targets, checked against the stored ones."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    aliases = plan.raw.get("aliases") or {}
+    targets: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in plan.model_sd.items() if k not in aliases}
+    if plan.optim_sd is not None:
+        targets.update({f"state/optimizer/{k}": v for k, v in plan.optim_sd.items()
+                        if isinstance(v, torch.Tensor)})
+    stored = HuggingFaceStorageReader(str(path / layout.DCP_SUBDIR)).read_metadata().state_dict_metadata
+    _check_names(path, {k for k in stored if k.startswith(("model/", "state/optimizer/"))}, set(targets))
+    plan.rest = {k[len("state/"):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+                 for k, md in stored.items() if k.startswith("state/") and k not in targets}
+    plan.targets = {**targets, **{f"state/{k}": v for k, v in plan.rest.items()}}
+
+
+def _read_pieces(plan: ShardedLoad, path: Path) -> dict[str, torch.Tensor]:
+    """DCP reads the stored pieces overlapping this rank's targets in place (collective).
     Returns the state tensors by name (optimizer targets, and the small rest read whole)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    folder = str(path / layout.DCP_SUBDIR)
-    aliases = raw.get("aliases") or {}
-    targets: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in model_sd.items() if k not in aliases}
-    state = {f"optimizer/{k}": v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
-    targets.update({f"state/{k}": v for k, v in state.items()})
-    stored = HuggingFaceStorageReader(folder).read_metadata().state_dict_metadata
-    _check_names(path, {k for k in stored if k.startswith(("model/", "state/optimizer/"))}, set(targets))
-    rest = {k[len("state/"):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            for k, md in stored.items() if k.startswith("state/") and k not in targets}
-    targets.update({f"state/{k}": v for k, v in rest.items()})
     try:
         with warnings.catch_warnings():  # one process: DCP warns that it loads without a group
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(folder),
+            dcp.load(plan.targets, storage_reader=HuggingFaceStorageReader(str(path / layout.DCP_SUBDIR)),
                      no_dist=not dist.is_initialized())
     except Exception as exc:  # DCP's error names the mismatched keys
         raise UserError(f"checkpoint {path} does not fit this model and optimizer: "
                         f"{str(exc).strip().splitlines()[-1][:300]}") from None
-    for alias, name in aliases.items():
-        if alias in model_sd and name in model_sd:
-            model_sd[alias] = model_sd[name]
-    return {**state, **rest, **read_safetensors(path / layout.STATE_FILE)}
+    for alias, name in (plan.raw.get("aliases") or {}).items():
+        if alias in plan.model_sd and name in plan.model_sd:
+            plan.model_sd[alias] = plan.model_sd[name]
+    optimizer = {k[len("state/"):]: v for k, v in plan.targets.items() if k.startswith("state/optimizer/")}
+    return {**optimizer, **plan.rest, **read_safetensors(path / layout.STATE_FILE)}
 
 
 def _check_names(path: Path, stored: set[str], wanted: set[str]) -> None:
@@ -186,28 +241,43 @@ def _check_names(path: Path, stored: set[str], wanted: set[str]) -> None:
                         "was it saved with another model.preset or vocabulary?")
 
 
-def _read_whole(path: Path, manifest: dict, raw: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
-                model_sd: dict, optim_sd: dict, pool: StagingPool) -> dict[str, torch.Tensor]:
-    """A whole-tensor checkpoint into this run's targets, one whole tensor in memory at a time.
-    Returns the small state tensors (train state, rng) by name."""
+def _plan_whole(plan: ShardedLoad, path: Path, manifest: dict, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> None:
+    """A whole-tensor checkpoint: its files indexed, its weights' names and shapes checked."""
     weights, state = index_checkpoint(path, manifest)
-    aliases = raw.get("aliases") or {}
+    aliases = plan.raw.get("aliases") or {}
     stored = {name: weights.shape(name) for name in weights}
     stored.update({a: stored[n] for a, n in aliases.items() if n in stored})
-    own = {k: tuple(v.shape) for k, v in model_sd.items()}
-    if set(own) != set(stored) or any(own[k] != tuple(stored[k]) for k in own):
-        from podtrain.ckpt.reader import check_fit
+    check_fit(plan.model_sd, stored, path)
+    saved = (plan.raw.get("optimizer") or {}).get("state") or {}
+    params = sum(len(g["params"]) for g in optimizer.param_groups)
+    if plan.optim_sd is not None and len(saved) > params:
+        raise UserError(f"checkpoint {path}: optimizer state does not fit this optimizer "
+                        f"({len(saved)} parameters with state, this model has {params})")
+    plan.whole = (weights, state)
 
-        check_fit(model_sd, stored, path)
-    for name, target in model_sd.items():
+
+def _read_whole(plan: ShardedLoad, model: nn.Module, optimizer: torch.optim.Optimizer,
+                pool: StagingPool) -> dict[str, torch.Tensor]:
+    """A whole-tensor checkpoint into this run's targets, one whole tensor in host memory at a
+    time (no collective). Returns the small state tensors (train state, rng) by name."""
+    weights, state = plan.whole
+    aliases = plan.raw.get("aliases") or {}
+    for name, target in plan.model_sd.items():
         _fill(target, weights.load(aliases.get(name, name), pool))
-    saved = raw["optimizer"]
+    if plan.optim_sd is not None:
+        _fill_optimizer(plan, model, optimizer, state, pool)
+    return {k: state.load(k, pool) for k in state if not k.startswith("optimizer/")}
+
+
+def _fill_optimizer(plan: ShardedLoad, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: Any, pool: StagingPool) -> None:
+    """The optimizer state saved by parameter index (``Optimizer.state_dict``) into this run's
+    flattened targets, matched by parameter name in the optimizer's parameter order."""
+    optim_sd = plan.optim_sd
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_index = from_plain(saved, {k: _Lazy(k) for k in state})
-    if len(by_index.get("state", {})) > len(order):
-        raise UserError(f"checkpoint {path}: optimizer state does not fit this optimizer "
-                        f"({len(by_index['state'])} parameters with state, this model has {len(order)})")
+    by_index = from_plain(plan.raw["optimizer"], {k: _Lazy(k) for k in state})
     for group in by_index.get("param_groups", []):  # the saved hyperparameters, as load_state_dict
         for index in group.get("params", []):
             for key, value in group.items():
@@ -218,13 +288,12 @@ def _read_whole(path: Path, manifest: dict, raw: dict, model: nn.Module, optimiz
         for key, value in values.items():
             flat = f"state.{order[int(index)]}.{key}"
             if flat not in optim_sd:
-                raise UserError(f"checkpoint {path}: optimizer state {key!r} of parameter "
-                                f"{order[int(index)]} does not fit this optimizer")
+                raise UserError(f"optimizer state {key!r} of parameter {order[int(index)]} "
+                                "does not fit this optimizer")
             if isinstance(value, _Lazy):
                 _fill(optim_sd[flat], state.load(value.name, pool))
             else:
                 optim_sd[flat] = value
-    return {k: state.load(k, pool) for k in state if not k.startswith("optimizer/")}
 
 
 class _Lazy:

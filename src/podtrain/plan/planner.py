@@ -127,15 +127,18 @@ def strategy_fits(cfg: RunConfig, shape: ModelShape, machine: Machine, world: in
     return out
 
 
+def configured_strategy(cfg: RunConfig, fits: list[StrategyFit]) -> str:
+    """The config's dist.strategy, named as the plan names it: on one node HSDP is FSDP."""
+    shards = {f.strategy: f.shards for f in fits}
+    return "fsdp" if cfg.dist.strategy == "hsdp" and shards["hsdp"] == shards["fsdp"] else cfg.dist.strategy
+
+
 def choose(cfg: RunConfig, fits: list[StrategyFit]) -> tuple[str, bool] | None:
     """The config's dist.strategy (and train.activation_checkpointing) when its memory fits at the
     config's micro-batch, else the first of ddp, hsdp, fsdp that fits, preferring no activation
     checkpointing; None if none fits. The report says when this is not the config's choice."""
-    wanted = cfg.dist.strategy
+    wanted = configured_strategy(cfg, fits)
     fsdp_shards = next(f.shards for f in fits if f.strategy == "fsdp")
-    # On one node HSDP is FSDP: name it so.
-    if wanted == "hsdp" and next(f.shards for f in fits if f.strategy == "hsdp") == fsdp_shards:
-        wanted = "fsdp"
     candidates = [f for f in fits if not (f.strategy == "hsdp" and f.shards == fsdp_shards)]
     order = sorted(candidates, key=lambda f: (f.strategy != wanted, ("ddp", "hsdp", "fsdp").index(f.strategy)))
     micro = cfg.train.micro_batch_size
@@ -164,7 +167,7 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
         raise UserError(_no_fit_message(cfg, shape, machine, nodes, dtype_bytes))
     strategy, ac = chosen
     note = None
-    if (strategy, ac) != (cfg.dist.strategy, cfg.train.activation_checkpointing == "full"):
+    if (strategy, ac) != (configured_strategy(cfg, fits), cfg.train.activation_checkpointing == "full"):
         note = (f"the config's dist.strategy={cfg.dist.strategy} with train.activation_checkpointing="
                 f"{cfg.train.activation_checkpointing} does not fit at train.micro_batch_size="
                 f"{cfg.train.micro_batch_size}: set dist.strategy={strategy} "

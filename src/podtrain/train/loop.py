@@ -162,6 +162,9 @@ class Trainer:
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
             ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
         check_replicas(self.model, ctx, before_ddp=True)
+        # Every rank must accumulate the same way (FSDP's collectives differ): unsharded only
+        # where it fits on every rank's device.
+        self.accumulate_unsharded = all(ctx.all_gather_object(self.accumulate_unsharded))
         self.stepper_model = self._wrap(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optim, ctx.device)  # FSDP: over the shards
         self.stepper = Stepper(self.stepper_model, self.strategy, self.optimizer,
@@ -196,11 +199,13 @@ class Trainer:
         self.val_index = checked.val_index
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.model = build_model(checked.model_config, cfg.model.attn_implementation,
-                                 seed=cfg.run.seed).to(ctx.device)
+                                 seed=cfg.run.seed, device=ctx.device)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if cfg.train.activation_checkpointing == "full":
             checkpoint_activations(self.model)
-        if not cfg.dist.find_unused_parameters:
+        if cfg.dist.strategy == "ddp" and not cfg.dist.find_unused_parameters:
+            # DDP's reducer needs every parameter used (FSDP2 does not; a full local backward
+            # there would hold whole fp32 gradients that the sharding is meant to avoid).
             check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -229,7 +234,10 @@ class Trainer:
 
     def _setup_straggler_monitor(self) -> None:
         mcfg = self.cfg.monitor
-        if mcfg.straggler_every and self.ctx.world_size > 1:
+        if mcfg.straggler_every and self.ctx.world_size > 1 and self.strategy.sharded:
+            log.info("straggler reports are off under dist.strategy=%s: its per-layer collectives make "
+                     "every rank's step equally long (`podtrain doctor` finds a slow rank)", self.strategy.name)
+        elif mcfg.straggler_every and self.ctx.world_size > 1:
             self.straggler = StragglerMonitor(self.ctx, mcfg.straggler_every, mcfg.straggler_threshold,
                                               clock=self.stepper.clock)
 

@@ -189,15 +189,20 @@ class FSDPStrategy(Strategy):
         dtype = self.precision.autocast_dtype
         policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype
                   else MixedPrecisionPolicy())
+        # With room for the gathered weights (accumulate_unsharded), a layer gathered for the
+        # forward stays gathered through its backward: one all-gather per layer per step.
+        keep = self.accumulate_unsharded
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=not keep)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)  # the root: FSDP keeps it gathered
         self.module = model
         return model
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
-        """With ``accumulate_unsharded``, the micro-batches before the last neither reduce-scatter
-        nor reshard after backward; the last reduces the accumulated gradient once."""
+        """With ``accumulate_unsharded``, the micro-batches before the last keep the weights
+        gathered (``wrap`` keeps them after forward, this after backward: one all-gather per
+        layer per step) and their gradients local (no reduce-scatter); the last reduces the
+        accumulated gradient once and reshards."""
         if self.accumulate_unsharded:
             self.module.set_requires_gradient_sync(last)
             self.module.set_reshard_after_backward(last)
