@@ -89,11 +89,10 @@ def memory_worker(strategy, steps):
     from podtrain.config_sections import DistSection, OptimSection
     from podtrain.distributed.env import ClusterEnv
     from podtrain.distributed.group import process_group
-    from podtrain.model import build_model
     from podtrain.train.optim import build_optimizer
     from podtrain.train.precision import resolve_precision
     from podtrain.train.step import Stepper
-    from podtrain.train.strategy import build_strategy
+    from podtrain.train.strategy import build_for_strategy, build_strategy
 
     config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
@@ -101,11 +100,13 @@ def memory_worker(strategy, steps):
     with process_group(ClusterEnv.detect(), "auto") as ctx:
         base_rss = RssSampler.rss()
         precision = resolve_precision("auto", ctx.device)
-        model = build_model(config, seed=0).to(ctx.device)
+        name = strategy.split("-")[0]
+        model, reference = build_for_strategy(config, "sdpa", 0, name, ctx)  # as the loop builds it
         params = sum(p.numel() for p in model.parameters())
-        chosen = build_strategy(DistSection(strategy=strategy.split("-")[0]), ctx, precision, SEQ,
+        chosen = build_strategy(DistSection(strategy=name), ctx, precision, SEQ,
                                 accumulate_unsharded=strategy != "fsdp-reshard")
-        wrapped = chosen.wrap(model)
+        wrapped = chosen.wrap(model, reference)
+        del reference
         opt = build_optimizer(model, OptimSection(), ctx.device)
         world = ctx.world_size
         stepper = Stepper(wrapped, chosen, opt, chosen.forward_precision(precision), 1.0, world,

@@ -47,16 +47,23 @@ def full_weights(model):
     return out
 
 
-def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharded=True, recompute=False):
-    """STEPS optimizer steps with accumulation (GLOBAL / world / MICRO micro-batches per rank)."""
+def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharded=True, recompute=False,
+               from_meta=False):
+    """STEPS optimizer steps with accumulation (GLOBAL / world / MICRO micro-batches per rank);
+    ``from_meta``: the model built as the loop builds it for fsdp (empty, filled from rank 0's)."""
+    from podtrain.train.strategy import build_for_strategy
+
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
         precision = resolve_precision("fp32", ctx.device)
-        model = build_model(small_config(), "eager", seed=0)
+        model, reference = build_model(small_config(), "eager", seed=0), None
+        if from_meta:
+            model, reference = build_for_strategy(small_config(), "eager", 0, strategy, ctx)
+            assert all(p.is_meta for p in model.parameters()) and (reference is not None) == (rank == 0)
         if recompute:
             checkpoint_activations(model)
         chosen = build_strategy(DistSection(strategy=strategy, shard_size=shard_size), ctx, precision,
                                 SEQ, accumulate_unsharded)
-        wrapped = chosen.wrap(model)
+        wrapped = chosen.wrap(model, reference)
         opt = build_optimizer(model, OptimSection(lr=3e-3, implementation="foreach"), ctx.device)
         stepper = Stepper(wrapped, chosen, opt, chosen.forward_precision(precision), grad_clip=0.05,
                           world_size=world, global_target_tokens=GLOBAL * SEQ, device=ctx.device)
@@ -67,12 +74,13 @@ def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharde
             stepper.step(list(share.split(MICRO)))
             losses.append(stepper.stats.read(lambda t: torch.distributed.all_reduce(t)))
         weights = full_weights(model)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
         chosen.release()
-        return losses, weights
+        return losses, weights, buffers
 
 
 def assert_same_run(result, reference, tol=1e-5):
-    (losses, weights), (ref_losses, ref_weights) = result, reference
+    (losses, weights, _), (ref_losses, ref_weights, _) = result, reference
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses)):
         assert abs(loss - ref_loss) < tol and abs(norm - ref_norm) < tol * max(1.0, ref_norm), \
             (step, loss, ref_loss, norm, ref_norm)
@@ -156,16 +164,6 @@ def test_preflight_on_mocked_8x80gb_devices_refuses_ddp_naming_fsdp_and_lets_fsd
                              "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=16"])
     with pytest.raises(UserError, match=r"dist.strategy=fsdp \(7.5 GiB per rank\) or dist.strategy=hsdp \(15.0 GiB"):
         preflight.check_run(cfg, 16, 8, torch.device("cpu"))
-
-
-def test_fsdp_start_up_peak_is_checked_too_on_mocked_24gb_devices():
-    # Mocked 24 GiB devices (an A10G's): llama-8b's shards (15 GiB on 8 ranks) would fit, but each
-    # rank first builds the whole fp32 model (30 GiB, plus its shards) before sharding it.
-    params = estimate_params(preset_config("llama-8b"))
-    with pytest.raises(UserError, match=r"builds the whole fp32 model on every device before sharding it, ~33.7 GiB"):
-        check_fits(params, 24 * 2**30, "one GPU", "error", "fsdp", world_size=8, shard_size=8)
-    with pytest.raises(UserError, match=r"dist.strategy=fsdp would hold 15.0 GiB per rank, but builds the whole"):
-        check_fits(params, 24 * 2**30, "one GPU", "error", "ddp", world_size=8, shard_size=8)
 
 
 def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
@@ -254,3 +252,14 @@ def test_unsharded_accumulation_gathers_each_layer_once_and_reduces_once_per_ste
     # forward and every backward (the root, kept after its forward, once per micro-batch).
     assert all(c["all_gather"] == 3 for c in unsharded), unsharded
     assert all(c["all_gather"] == 4 * (2 * 2 + 1) for c in resharded), resharded
+
+
+def test_fsdp_built_on_the_meta_device_and_filled_from_rank_0_matches_ddp(ddp_runs):
+    data, ddp = ddp_runs
+    reference_buffers = dict(build_model(small_config(), "eager", seed=0).named_buffers())
+    for run in run_ranks(train_rank, 4, "fsdp", data, None, True, False, True, timeout=90):
+        assert_same_run(run, ddp[4][0])
+        # Buffers (rotary inv_freq) come from rank 0 too, not from the meta device's garbage.
+        buffers = run[2]
+        assert buffers.keys() == reference_buffers.keys()
+        assert all(torch.equal(buffers[n], reference_buffers[n]) for n in buffers)

@@ -35,7 +35,7 @@ from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.launch import exit_report
-from podtrain.model import build_model, model_size
+from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
 from podtrain.observe.hardware import max_memory_bytes, peak_flops
 from podtrain.observe.metrics import MetricsWriter, open_run_metrics
@@ -53,7 +53,7 @@ from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
-from podtrain.train.strategy import Strategy, build_strategy, checkpoint_activations
+from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
 
 log = logging.getLogger("podtrain")
 
@@ -129,6 +129,7 @@ class Trainer:
         self.accumulate_unsharded = True
         self.precision = None
         self.model: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
         self.size = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.strategy: Strategy | None = None
@@ -161,7 +162,8 @@ class Trainer:
         ctx.agree_on(self._setup_local)
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
             ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
-        check_replicas(self.model, ctx, before_ddp=True)
+        if cfg.dist.strategy == "ddp":  # fsdp/hsdp: every rank's shards come from rank 0's model
+            check_replicas(self.model, ctx, before_ddp=True)
         # Every rank must accumulate the same way (FSDP's collectives differ): unsharded only
         # where it fits on every rank's device.
         self.accumulate_unsharded = all(ctx.all_gather_object(self.accumulate_unsharded))
@@ -198,8 +200,8 @@ class Trainer:
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
         self.val_index = checked.val_index
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
-        self.model = build_model(checked.model_config, cfg.model.attn_implementation,
-                                 seed=cfg.run.seed, device=ctx.device)
+        self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
+                                                        cfg.run.seed, cfg.dist.strategy, ctx)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if cfg.train.activation_checkpointing == "full":
             checkpoint_activations(self.model)
@@ -213,7 +215,8 @@ class Trainer:
         torch.compile when asked."""
         self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
                                        self.accumulate_unsharded)
-        wrapped = self.strategy.wrap(model)
+        wrapped = self.strategy.wrap(model, self.reference)
+        self.reference = None  # rank 0's whole copy, no longer needed
         if self.cfg.train.compile:
             wrapped = torch.compile(wrapped)
         return wrapped

@@ -81,38 +81,23 @@ def state_bytes_per_rank(params: int, strategy: str, world_size: int, shard_size
     return -(-total // max(1, divisor))
 
 
-def startup_bytes_per_rank(params: int, strategy: str, world_size: int, shard_size: int) -> int:
-    """The start-up peak of fsdp/hsdp: every rank builds the whole fp32 model on its device, then
-    shards it (weights 4 B/param whole plus their shards; no meta-device initialisation yet).
-    ddp holds at least as much for the whole run (``state_bytes_per_rank``)."""
-    if strategy == "ddp":
-        return 0
-    return params * WEIGHT_BYTES + state_bytes_per_rank(params, strategy, world_size, shard_size) // 4
-
-
 def check_fits(params: int, device_bytes: int | None, where: str, policy: str = "error",
                strategy: str = "ddp", world_size: int = 1, shard_size: int | None = None) -> str | None:
-    """Refuse (or warn) when this strategy's share of weights + gradients + AdamW state, or its
-    start-up peak, cannot fit one device before any activation; a refusal names the sharded
-    strategies that would fit on the job's ranks. Returns the warning text, or None when it fits.
+    """Refuse (or warn) when this strategy's share of weights + gradients + AdamW state cannot fit
+    one device before any activation (``state_bytes_per_rank``; fsdp/hsdp never build the whole
+    model on a device: ``build_for_strategy``); a refusal names the sharded strategies that would
+    fit on the job's ranks. Returns the warning text, or None when it fits.
     """
     if policy == "off" or not device_bytes:
         return None
     shard_size = shard_size or world_size
     budget = STATE_SHARE * device_bytes
     need = state_bytes_per_rank(params, strategy, world_size, shard_size)
-    startup = startup_bytes_per_rank(params, strategy, world_size, shard_size)
-    if max(need, startup) <= budget:
+    if need <= budget:
         return None
-    if need <= budget:  # only the whole model built before sharding does not fit
-        msg = (f"model has {params / 1e9:.2f}B parameters: dist.strategy={strategy} builds the whole "
-               f"fp32 model on every device before sharding it, ~{startup / 2**30:.1f} GiB, more than "
-               f"{where} holds ({device_bytes / 2**30:.1f} GiB): use devices with more memory or a "
-               "smaller model.preset (meta-device initialisation is not implemented)")
-    else:
-        msg = (f"model has {params / 1e9:.2f}B parameters: under dist.strategy={strategy} weights + "
-               f"gradients + AdamW state need ~{need / 2**30:.1f} GiB per rank, more than {where} holds "
-               f"({device_bytes / 2**30:.1f} GiB). {_what_fits(params, budget, world_size, shard_size)}")
+    msg = (f"model has {params / 1e9:.2f}B parameters: under dist.strategy={strategy} weights + "
+           f"gradients + AdamW state need ~{need / 2**30:.1f} GiB per rank, more than {where} holds "
+           f"({device_bytes / 2**30:.1f} GiB). {_what_fits(params, budget, world_size, shard_size)}")
     if policy == "error":
         raise UserError(msg + " (model.memory_check=warn to try anyway)")
     log.warning(msg)
@@ -126,16 +111,11 @@ def _what_fits(params: int, budget: float, world_size: int, shard_size: int) -> 
         if strategy == "hsdp" and shard_size in (1, world_size):
             continue  # hsdp with one group is fsdp; with groups of one it is ddp
         need = state_bytes_per_rank(params, strategy, world_size, shard_size)
-        if max(need, startup_bytes_per_rank(params, strategy, world_size, shard_size)) <= budget:
+        if need <= budget:
             fits.append(f"dist.strategy={strategy} ({need / 2**30:.1f} GiB per rank)")
     if fits:
         return f"Use FSDP to shard it over the {world_size} ranks: {' or '.join(fits)}"
     need = state_bytes_per_rank(params, "fsdp", world_size, shard_size)
-    if need <= budget:
-        startup = startup_bytes_per_rank(params, "fsdp", world_size, shard_size)
-        return (f"dist.strategy=fsdp would hold {need / 2**30:.1f} GiB per rank, but builds the whole fp32 "
-                f"model on every device first (~{startup / 2**30:.1f} GiB): use devices with more memory, "
-                "or a smaller model.preset")
     return (f"Even dist.strategy=fsdp would need {need / 2**30:.1f} GiB per rank on {world_size} "
             "rank(s): use FSDP over more GPUs, or a smaller model.preset")
 

@@ -27,7 +27,7 @@ from torch import nn
 from podtrain.config_sections import DistSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
-from podtrain.model import decoder_layers
+from podtrain.model import build_model, decoder_layers
 from podtrain.train.precision import Precision
 from podtrain.train.replicas import buffers_need_forward_sync, ddp_buffer_arguments
 
@@ -46,6 +46,21 @@ def checkpoint_activations(model: nn.Module) -> int:
     for layer in layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     return len(layers)
+
+
+def build_for_strategy(config, attn_implementation: str, seed: int, strategy: str,
+                       ctx: DistContext) -> tuple[nn.Module, nn.Module | None]:
+    """``(model, reference)``: this rank's model before ``Strategy.wrap``.
+
+    ddp (and one process): the model itself, initialised on the rank's device from ``seed``.
+    fsdp/hsdp: an empty model on the meta device, and on global rank 0 a whole CPU copy
+    initialised from ``seed`` (None elsewhere): ``FSDPStrategy.wrap`` shards the empty model and
+    fills every rank's shards from rank 0's copy, so no device ever holds the whole model.
+    """
+    if strategy == "ddp" or not ctx.initialized:
+        return build_model(config, attn_implementation, seed=seed, device=ctx.device), None
+    reference = build_model(config, attn_implementation, seed=seed, device="cpu") if ctx.is_main else None
+    return build_model(config, attn_implementation, device="meta"), reference
 
 
 def shard_group_size(cfg: DistSection, world_size: int, local_world_size: int) -> int:
@@ -76,8 +91,9 @@ class Strategy:
         self.grads_to_none = True
         self.module: nn.Module | None = None
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Prepare ``model`` for training (every rank calls); returns the module to call forward on."""
+    def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
+        """Prepare ``model`` for training (every rank calls); returns the module to call forward on.
+        ``reference``: see ``build_for_strategy`` (sharded strategies only)."""
         self.module = model
         return model
 
@@ -126,7 +142,7 @@ class DDPStrategy(Strategy):
         strategy.grads_to_none = not gradient_as_bucket_view
         return strategy
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
         """DDP around the model; buffers are broadcast before every forward only when they must be."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -170,19 +186,23 @@ class FSDPStrategy(Strategy):
         self.accumulate_unsharded = accumulate_unsharded
         self.mesh = None
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
         """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
-        Each rank shards its own copy, so rank 0's weights and buffers are broadcast first (as
-        DDP does at construction): ranks that initialised differently still train one model.
+        An empty (meta-device) model is sharded first, then its shards are filled from rank 0's
+        whole ``reference`` (``build_for_strategy``). A model with weights is sharded from each
+        rank's own copy, after rank 0's weights and buffers are broadcast (as DDP does at
+        construction): ranks that initialised differently still train one model.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        empty = any(p.is_meta for p in model.parameters())
+        if not empty:
+            with torch.no_grad():
+                for tensor in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
 
         names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
         self.mesh = init_device_mesh(self.ctx.device.type, self.mesh_shape, mesh_dim_names=names)
@@ -195,8 +215,27 @@ class FSDPStrategy(Strategy):
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)  # the root: FSDP keeps it gathered
+        if empty:
+            self._fill_from_rank0(model, reference)
         self.module = model
         return model
+
+    def _fill_from_rank0(self, model: nn.Module, reference: nn.Module | None) -> None:
+        """Allocate this rank's shards and buffers on its device and fill them from global rank
+        0's whole ``reference``: one tensor at a time, each rank keeping its shard of it."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=self.ctx.device)
+        set_model_state_dict(model, reference.state_dict() if reference is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers (rotary inv_freq: not in the state dict) are replicated, not sharded.
+        whole = dict(reference.named_buffers()) if reference is not None else {}
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in whole:
+                    buffer.copy_(whole[name])
+                dist.broadcast(buffer, src=0)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """With ``accumulate_unsharded``, the micro-batches before the last keep the weights
