@@ -186,6 +186,10 @@ def _evaluate_rank(rank, world, strategy, data_dir, seq):
         chosen.wrap(model)
         index = SampleIndex(read_manifest(data_dir), "val", seq)
         loss = evaluate(model, index, ctx, micro_batch_size=2, max_batches=50, precision=precision)
+        if strategy == "fsdp":  # no layer left gathered by the forward-only passes
+            from torch.distributed.tensor import DTensor
+
+            assert all(isinstance(p, DTensor) for p in model.parameters())
         chosen.release()
         return index.num_samples, loss
 

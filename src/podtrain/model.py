@@ -83,9 +83,8 @@ def build_model(config: Any, attn_implementation: str = "sdpa", seed: int | None
     """A randomly initialised causal LM (fp32 master weights) from a transformers config.
 
     With ``seed`` the initialisation is a pure function of it, so every rank builds the same
-    weights (DDP and FSDP also broadcast rank 0's, and ``check_replicas`` verifies it). With
-    ``device`` the weights are created and initialised there: on a GPU no rank first holds a
-    whole copy in host memory, which 8 ranks of a node would otherwise need at once.
+    weights (DDP also broadcasts rank 0's, and ``check_replicas`` verifies it). ``device``:
+    where the weights are created; ``meta`` builds an empty model (``build_for_strategy``).
     """
     from transformers import AutoModelForCausalLM
 

@@ -184,13 +184,14 @@ def load(plan: ShardedLoad, path: Path, manifest: dict, model: nn.Module,
         tensors = _read_whole(plan, model, optimizer, pool)
         optim_sd = plan.optim_sd
     try:
-        if optim_sd is None:
+        if optim_sd is None:  # saved before the first step: the optimizer restarts empty (a rollback too)
             set_model_state_dict(model, plan.model_sd, options=_options())
+            optimizer.state.clear()
         else:
             set_state_dict(model, optimizer, model_state_dict=plan.model_sd, optim_state_dict=optim_sd,
                            options=_options())
     except (KeyError, ValueError, RuntimeError) as exc:
-        raise UserError(f"checkpoint {path}: optimizer state does not fit this optimizer ({exc})") from None
+        raise UserError(f"checkpoint {path} does not fit this model and optimizer ({exc})") from None
     return {k: from_plain(v, tensors) for k, v in raw.items() if k not in ("aliases", "optimizer")}
 
 
@@ -223,7 +224,7 @@ def _read_pieces(plan: ShardedLoad, path: Path) -> dict[str, torch.Tensor]:
                      no_dist=not dist.is_initialized())
     except Exception as exc:  # DCP's error names the mismatched keys
         raise UserError(f"checkpoint {path} does not fit this model and optimizer: "
-                        f"{str(exc).strip().splitlines()[-1][:300]}") from None
+                        f"{(str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]}") from None
     for alias, name in (plan.raw.get("aliases") or {}).items():
         if alias in plan.model_sd and name in plan.model_sd:
             plan.model_sd[alias] = plan.model_sd[name]

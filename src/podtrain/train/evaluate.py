@@ -40,8 +40,12 @@ def evaluate(model: nn.Module, index: SampleIndex, ctx: DistContext, micro_batch
             totals[0] += loss_sum
             totals[1] += rows.shape[0] * (rows.shape[1] - 1)
     model.train(was_training)
-    if is_sharded(model):
-        model.reshard()  # FSDP keeps the root's weights gathered after a forward without backward
+    if is_sharded(model):  # a forward without backward leaves FSDP's weights gathered
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():  # reshard() is not recursive
+            if isinstance(module, FSDPModule):
+                module.reshard()
     ctx.all_reduce_sum(totals)
     loss_sum, tokens = totals.tolist()
     return loss_sum / tokens if tokens else float("nan")

@@ -52,13 +52,14 @@ def build_for_strategy(config, attn_implementation: str, seed: int, strategy: st
                        ctx: DistContext) -> tuple[nn.Module, nn.Module | None]:
     """``(model, reference)``: this rank's model before ``Strategy.wrap``.
 
-    ddp (and one process): the model itself, initialised on the rank's device from ``seed``.
+    ddp (and one process): the model itself, initialised from ``seed`` on the CPU (the same
+    weights for a seed under every strategy and on every GPU model), then moved to the device.
     fsdp/hsdp: an empty model on the meta device, and on global rank 0 a whole CPU copy
     initialised from ``seed`` (None elsewhere): ``FSDPStrategy.wrap`` shards the empty model and
     fills every rank's shards from rank 0's copy, so no device ever holds the whole model.
     """
     if strategy == "ddp" or not ctx.initialized:
-        return build_model(config, attn_implementation, seed=seed, device=ctx.device), None
+        return build_model(config, attn_implementation, seed=seed).to(ctx.device), None
     reference = build_model(config, attn_implementation, seed=seed, device="cpu") if ctx.is_main else None
     return build_model(config, attn_implementation, device="meta"), reference
 
