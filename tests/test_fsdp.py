@@ -166,6 +166,26 @@ def test_preflight_on_mocked_8x80gb_devices_refuses_ddp_naming_fsdp_and_lets_fsd
         preflight.check_run(cfg, 16, 8, torch.device("cpu"))
 
 
+def test_fsdp_refuses_a_model_whose_whole_copy_would_not_fit_rank_0s_mocked_host(tmp_path, monkeypatch):
+    # Mocked memory: 80 GiB per GPU, but a 16 GiB host (device "cpu" with local_ranks=1 is the
+    # host's own RAM): llama-8b's fp32 copy (30 GiB) is initialised there before sharding.
+    import podtrain.train.preflight as preflight
+    from podtrain.config import load_config
+    from synthetic_data import make_data_dir
+
+    monkeypatch.setattr(preflight, "device_memory_bytes",
+                        lambda device, local_ranks: (16 if local_ranks == 1 else 80) * 2**30)
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+    cfg = load_config(None, [f"data.path={data}", "model.preset=llama-8b", "model.vocab_size=128256",
+                             "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=16",
+                             "dist.strategy=fsdp"])
+    with pytest.raises(UserError, match=r"\(~29.9 GiB\) in global rank 0's host memory .* \(16.0 GiB\)"):
+        preflight.check_run(cfg, 8, 8, torch.device("cpu"))
+    monkeypatch.setattr(preflight, "device_memory_bytes",
+                        lambda device, local_ranks: (64 if local_ranks == 1 else 80) * 2**30)
+    assert preflight.check_run(cfg, 8, 8, torch.device("cpu")).accum == 2  # a 64 GiB host holds it
+
+
 def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
     data, ddp = ddp_runs
     recomputed = run_ranks(train_rank, 2, "ddp", data, None, True, True, timeout=90)

@@ -68,6 +68,8 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         shard = cfg.dist.shard_size or local_world_size
         shard = shard if world_size % shard == 0 else world_size
     check_fits(params, device_bytes, where, cfg.model.memory_check, strategy, world_size, shard)
+    if strategy != "ddp" and world_size > 1:
+        check_host_copy(params, device_memory_bytes(torch.device("cpu"), 1), strategy, cfg.model.memory_check)
     unsharded = accumulates_unsharded(params, device_bytes, strategy, world_size, shard,
                                       resolve_precision(cfg.train.precision, device).name)
     return CheckedRun(manifest, model_config, accum, val_index, unsharded)
@@ -98,6 +100,21 @@ def check_fits(params: int, device_bytes: int | None, where: str, policy: str = 
     msg = (f"model has {params / 1e9:.2f}B parameters: under dist.strategy={strategy} weights + "
            f"gradients + AdamW state need ~{need / 2**30:.1f} GiB per rank, more than {where} holds "
            f"({device_bytes / 2**30:.1f} GiB). {_what_fits(params, budget, world_size, shard_size)}")
+    if policy == "error":
+        raise UserError(msg + " (model.memory_check=warn to try anyway)")
+    log.warning(msg)
+    return msg
+
+
+def check_host_copy(params: int, host_bytes: int | None, strategy: str, policy: str = "error") -> str | None:
+    """fsdp/hsdp: global rank 0 initialises the whole fp32 model in host memory before the shards
+    are filled from it (``build_for_strategy``); refuse (or warn) when that cannot fit this host."""
+    need = params * WEIGHT_BYTES
+    if policy == "off" or not host_bytes or need <= STATE_SHARE * host_bytes:
+        return None
+    msg = (f"model has {params / 1e9:.2f}B parameters: dist.strategy={strategy} initialises the whole fp32 "
+           f"model (~{need / 2**30:.1f} GiB) in global rank 0's host memory before sharding it, more than "
+           f"this host holds ({host_bytes / 2**30:.1f} GiB): use nodes with more memory or a smaller model.preset")
     if policy == "error":
         raise UserError(msg + " (model.memory_check=warn to try anyway)")
     log.warning(msg)
