@@ -100,10 +100,7 @@ def check_fits(params: int, device_bytes: int | None, where: str, policy: str = 
     msg = (f"model has {params / 1e9:.2f}B parameters: under dist.strategy={strategy} weights + "
            f"gradients + AdamW state need ~{need / 2**30:.1f} GiB per rank, more than {where} holds "
            f"({device_bytes / 2**30:.1f} GiB). {_what_fits(params, budget, world_size, shard_size)}")
-    if policy == "error":
-        raise UserError(msg + " (model.memory_check=warn to try anyway)")
-    log.warning(msg)
-    return msg
+    return _refuse(msg, policy)
 
 
 def check_host_copy(params: int, host_bytes: int | None, strategy: str, policy: str = "error") -> str | None:
@@ -115,6 +112,11 @@ def check_host_copy(params: int, host_bytes: int | None, strategy: str, policy: 
     msg = (f"model has {params / 1e9:.2f}B parameters: dist.strategy={strategy} initialises the whole fp32 "
            f"model (~{need / 2**30:.1f} GiB) in global rank 0's host memory before sharding it, more than "
            f"this host holds ({host_bytes / 2**30:.1f} GiB): use nodes with more memory or a smaller model.preset")
+    return _refuse(msg, policy)
+
+
+def _refuse(msg: str, policy: str) -> str:
+    """model.memory_check: ``error`` raises the one-line UserError, ``warn`` logs it; returns it."""
     if policy == "error":
         raise UserError(msg + " (model.memory_check=warn to try anyway)")
     log.warning(msg)
