@@ -19,7 +19,7 @@ from podtrain.train.optim import build_optimizer
 from podtrain.train.preflight import check_fits
 from podtrain.train.precision import resolve_precision
 from podtrain.train.step import Stepper
-from podtrain.train.strategy import build_strategy, checkpoint_activations
+from podtrain.train.strategy import build_for_strategy, build_strategy, checkpoint_activations
 
 SEQ, GLOBAL, MICRO, STEPS = 16, 8, 1, 10
 
@@ -47,18 +47,20 @@ def full_weights(model):
     return out
 
 
-def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharded=True, recompute=False,
-               from_meta=False):
-    """STEPS optimizer steps with accumulation (GLOBAL / world / MICRO micro-batches per rank);
-    ``from_meta``: the model built as the loop builds it for fsdp (empty, filled from rank 0's)."""
-    from podtrain.train.strategy import build_for_strategy
+def built(strategy, ctx, config=None):
+    """The model as the loop builds it: whole for ddp; for fsdp/hsdp empty (meta device), with
+    rank 0's whole copy to fill the shards from."""
+    model, reference = build_for_strategy(config or small_config(), "eager", 0, strategy, ctx)
+    if strategy != "ddp":
+        assert all(p.is_meta for p in model.parameters()) and (reference is not None) == (ctx.rank == 0)
+    return model, reference
 
+
+def train_rank(rank, world, strategy, data, shard_size=None, accumulate_unsharded=True, recompute=False):
+    """STEPS optimizer steps with accumulation (GLOBAL / world / MICRO micro-batches per rank)."""
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
         precision = resolve_precision("fp32", ctx.device)
-        model, reference = build_model(small_config(), "eager", seed=0), None
-        if from_meta:
-            model, reference = build_for_strategy(small_config(), "eager", 0, strategy, ctx)
-            assert all(p.is_meta for p in model.parameters()) and (reference is not None) == (rank == 0)
+        model, reference = built(strategy, ctx)
         if recompute:
             checkpoint_activations(model)
         chosen = build_strategy(DistSection(strategy=strategy, shard_size=shard_size), ctx, precision,
@@ -201,9 +203,9 @@ def _evaluate_rank(rank, world, strategy, data_dir, seq):
         precision = resolve_precision("fp32", ctx.device)
         config = small_config()
         config.vocab_size = 320
-        model = build_model(config, "eager", seed=0)
+        model, reference = built(strategy, ctx, config)
         chosen = build_strategy(DistSection(strategy=strategy), ctx, precision, seq)
-        chosen.wrap(model)
+        chosen.wrap(model, reference)
         index = SampleIndex(read_manifest(data_dir), "val", seq)
         loss = evaluate(model, index, ctx, micro_batch_size=2, max_batches=50, precision=precision)
         if strategy == "fsdp":  # no layer left gathered by the forward-only passes
@@ -249,9 +251,9 @@ def _collectives_per_step(rank, world, unsharded, data):
         setattr(dist, f"{op}_single", counted)
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
         precision = resolve_precision("fp32", ctx.device)
-        model = build_model(small_config(), "eager", seed=0)
+        model, reference = built("fsdp", ctx)
         chosen = build_strategy(DistSection(strategy="fsdp"), ctx, precision, SEQ, unsharded)
-        wrapped = chosen.wrap(model)
+        wrapped = chosen.wrap(model, reference)
         opt = build_optimizer(model, OptimSection(lr=3e-3, implementation="foreach"), ctx.device)
         stepper = Stepper(wrapped, chosen, opt, chosen.forward_precision(precision), grad_clip=1.0,
                           world_size=world, global_target_tokens=GLOBAL * SEQ, device=ctx.device)
@@ -278,12 +280,12 @@ def test_unsharded_accumulation_gathers_each_layer_once_and_reduces_once_per_ste
     assert all(c["all_gather"] == 4 * (2 * 2 + 1) for c in resharded), resharded
 
 
-def test_fsdp_built_on_the_meta_device_and_filled_from_rank_0_matches_ddp(ddp_runs):
+def test_fsdp_buffers_come_from_rank_0_not_the_meta_device(ddp_runs):
     data, ddp = ddp_runs
     reference_buffers = dict(build_model(small_config(), "eager", seed=0).named_buffers())
-    for run in run_ranks(train_rank, 4, "fsdp", data, None, True, False, True, timeout=90):
+    for run in run_ranks(train_rank, 4, "fsdp", data, timeout=90):
         assert_same_run(run, ddp[4][0])
-        # Buffers (rotary inv_freq) come from rank 0 too, not from the meta device's garbage.
+        # Buffers (rotary inv_freq) are not in the state dict: broadcast from rank 0's copy.
         buffers = run[2]
         assert buffers.keys() == reference_buffers.keys()
         assert all(torch.equal(buffers[n], reference_buffers[n]) for n in buffers)

@@ -40,6 +40,7 @@ from podtrain.ckpt.state import from_plain, to_plain
 from podtrain.ckpt.streamed_load import index_checkpoint
 from podtrain.ckpt.tensorio import read_safetensors
 from podtrain.errors import UserError
+from podtrain.model import is_sharded
 
 TensorItems = list[tuple[str, torch.Tensor]]
 
@@ -127,8 +128,6 @@ def shard_items(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
 
 def applies(model: nn.Module, manifest: dict) -> bool:
     """Loading goes through this module: the run is sharded, or the checkpoint is."""
-    from podtrain.model import is_sharded
-
     return is_sharded(model) or manifest.get("layout") == layout.SHARDED
 
 

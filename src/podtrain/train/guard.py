@@ -173,7 +173,7 @@ class Guard:
                     start, plan.end, self.run_dir / SKIPPED_FILE)
 
 
-def weights_finite(model: torch.nn.Module, ctx: DistContext | None = None) -> bool:
+def weights_finite(model: torch.nn.Module, ctx: DistContext) -> bool:
     """True when every parameter is finite (one reduction and one host read: for saves only).
 
     FSDP/HSDP shards (DTensors) are checked locally and the verdict summed over ``ctx``'s ranks,
@@ -185,6 +185,6 @@ def weights_finite(model: torch.nn.Module, ctx: DistContext | None = None) -> bo
     with torch.no_grad():
         local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         bad = torch.stack([~torch.isfinite(t).all() for t in local]).sum().double()
-    if sharded and ctx is not None:
+    if sharded:
         ctx.all_reduce_sum(bad)
     return not bool(bad)

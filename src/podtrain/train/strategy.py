@@ -188,23 +188,15 @@ class FSDPStrategy(Strategy):
         self.mesh = None
 
     def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
-        """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
-
-        An empty (meta-device) model is sharded first, then its shards are filled from rank 0's
-        whole ``reference`` (``build_for_strategy``). A model with weights is sharded from each
-        rank's own copy, after rank 0's weights and buffers are broadcast (as DDP does at
-        construction): ranks that initialised differently still train one model.
+        """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head), of
+        ``build_for_strategy``'s empty (meta-device) model; then the shards are filled from rank
+        0's whole ``reference``, so every rank trains the same model.
         """
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        empty = any(p.is_meta for p in model.parameters())
-        if not empty:
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
-
+        if not all(p.is_meta for p in model.parameters()):
+            raise ValueError("FSDPStrategy.wrap takes build_for_strategy's empty (meta-device) model")
         names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
         self.mesh = init_device_mesh(self.ctx.device.type, self.mesh_shape, mesh_dim_names=names)
         dtype = self.precision.autocast_dtype
@@ -216,8 +208,7 @@ class FSDPStrategy(Strategy):
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)  # the root: FSDP keeps it gathered
-        if empty:
-            self._fill_from_rank0(model, reference)
+        self._fill_from_rank0(model, reference)
         self.module = model
         return model
 
