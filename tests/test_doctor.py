@@ -79,11 +79,12 @@ def test_healthy_two_ranks_pass(tmp_path, capfd):
 
 
 def test_slow_rank_is_named_and_fails(tmp_path, capfd, monkeypatch):
-    # The slowed rank reports 1.5x its best matmul trial: against the 2-rank median that is +20%
+    # The slowed rank reports 3x its best matmul trial: against the 2-rank median that is +50%
     # when the other rank measures its device well. A 5% limit still names it when the other
-    # rank's best trial is up to ~35% slow from sharing the cores.
+    # rank's best trial is up to ~2.7x slow from sharing the cores (at 1.5x, a full-suite run
+    # once measured the other rank more than 35% slow and named no one).
     argv = ["--run-dir", str(tmp_path), *FAST, "--slow-threshold", "0.05"]
-    faults.install("slow-rank:rank=1,factor=1.5", patch=monkeypatch.setattr)  # ranks inherit it
+    faults.install("slow-rank:rank=1,factor=3", patch=monkeypatch.setattr)  # ranks inherit it
     assert run_ranks(_doctor, 2, argv) == [1, 1]
     out = capfd.readouterr().out
     assert f"[FAIL] compute    rank 1 on host {HOST} is " in out
