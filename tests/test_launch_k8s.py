@@ -8,17 +8,20 @@ from __future__ import annotations
 import copy
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from cluster_fixtures import TINY_TRAINING, free_port, prepare_data, read_metrics
+from podtrain.ckpt import layout
 from podtrain.cli import main
 from podtrain.config import load_config
-from podtrain.launch import k8s
+from podtrain.launch import k8s, schemas
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -53,7 +56,7 @@ def check_pytorchjob(job: dict, schema: dict) -> None:
 def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     config_map, job = generate(tmp_path, "--nodes", "4", "--instance-type", "p5.48xlarge",
                                "--image", IMAGE, "--pvc", "fsx-claim", "--mount", "/fsx",
-                               "--hyperpod", "--max-retry", "5",
+                               "--hyperpod-auto-resume", "--max-retry", "5",
                                overrides=("train.global_batch_size=128",))
     check_pytorchjob(job, crd_schema)
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
@@ -68,7 +71,11 @@ def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
     pod = worker["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    # 90% of a p5's 192 vCPUs and 2048 GiB (less the 10 GiB of EFA huge pages), requests equal
+    # to limits: a Guaranteed pod, which the kubelet evicts last.
+    assert container["resources"]["limits"] == {
+        "nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "cpu": "172", "hugepages-2Mi": "5120Mi",
+        "memory": "1833Gi"}
     assert container["resources"]["requests"] == container["resources"]["limits"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
@@ -81,9 +88,13 @@ def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["shm"] == "/dev/shm" and mounts["shared"] == "/fsx"
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
-    # torchrun gives the workers ckpt.grace_s (120 s) to checkpoint after SIGTERM before it
-    # SIGKILLs them; Kubernetes waits longer than that before it SIGKILLs torchrun itself.
-    assert "--shutdown-timeout=120 " in container["command"][-1]
+    # The agent is the container's PID 1 around torchrun; it adds torchrun's --shutdown-timeout
+    # (ckpt.grace_s, 120 s) where the image's torch has it. Kubernetes waits longer than that
+    # before it SIGKILLs the container.
+    script = container["command"][-1]
+    assert "exec python3 -m podtrain.launch.agent python3 -m torch.distributed.run " in script
+    assert "--shutdown-timeout" not in script
+    assert script.rstrip().endswith('-m podtrain.cli train "$PODTRAIN_CONFIG"')
     assert pod["terminationGracePeriodSeconds"] == 135
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
@@ -128,16 +139,44 @@ def test_schema_checks_catch_misspelt_and_mistyped_fields(tmp_path, crd_schema):
         k8s.validate_pod_template(bad_pod)
 
 
-def test_hyperpod_kind(tmp_path):
-    _, job = generate(tmp_path, "--kind", "hyperpod", "--nodes", "2", "--instance-type",
+def test_hyperpodpytorchjob_validated_against_hyperpods_model_when_generated(tmp_path, monkeypatch):
+    _, job = generate(tmp_path, "--kind", "hyperpodpytorchjob", "--nodes", "2", "--instance-type",
                       "p4de.24xlarge", "--image", IMAGE, "--pvc", "fsx",
                       overrides=("train.global_batch_size=64",))
     assert (job["apiVersion"], job["kind"]) == ("sagemaker.amazonaws.com/v1", "HyperPodPyTorchJob")
     assert job["spec"]["nprocPerNode"] == "8" and job["spec"]["replicaSpecs"][0]["replicas"] == 2
     assert job["spec"]["runPolicy"]["jobMaxRetryCount"] == 10
+    assert "namespace" not in job["metadata"]
     k8s.validate_pod_template(k8s.job_pod_template(job))
+    schemas.validate_hyperpodpytorchjob(job)
     script = k8s.job_pod_template(job)["spec"]["containers"][0]["command"][2]
-    assert "hyperpodrun --nnodes=2 --nproc-per-node=8" in script
+    # hyperpodrun SIGKILLs its workers on shutdown unless told SIGTERM and a timeout.
+    assert ("exec python3 -m podtrain.launch.agent hyperpodrun --nnodes=2 --nproc-per-node=8 "
+            "--shutdown-signal=SIGTERM --shutdown-timeout=120 ") in script
+    # The model, shipped in the package with its licence header, loads without sagemaker-hyperpod.
+    model = schemas.HYPERPOD_MODEL_FILE
+    assert model.is_relative_to(Path(k8s.__file__).parent) and "License: Apache-2.0" in model.read_text()[:400]
+    assert "sagemaker" not in sys.modules and "boto3" not in sys.modules
+    # What the model rejects: a missing required field, a field it does not know.
+    lacking = copy.deepcopy(job)
+    del lacking["spec"]["runPolicy"]["restartPolicy"]["evalPeriodSeconds"]
+    with pytest.raises(ValueError, match="spec.runPolicy.restartPolicy.evalPeriodSeconds"):
+        schemas.validate_hyperpodpytorchjob(lacking)
+    unknown = copy.deepcopy(job)
+    unknown["spec"]["replicaSpecs"][0]["template"]["spec"]["containers"][0]["bogus"] = 1
+    with pytest.raises(ValueError, match="bogus"):
+        schemas.validate_hyperpodpytorchjob(unknown)
+    unknown = copy.deepcopy(job)
+    unknown["spec"]["nprocPerNod"] = "8"
+    with pytest.raises(ValueError, match="spec.nprocPerNod"):
+        schemas.validate_hyperpodpytorchjob(unknown)
+    # Generation itself validates: a spec the model refuses is never written.
+    monkeypatch.setattr(k8s, "HYPERPOD_EVAL_PERIOD_S", "half an hour")
+    with pytest.raises(ValueError, match="evalPeriodSeconds"):
+        main(["launch", "k8s", DEMO, "--kind", "hyperpodpytorchjob", "--nodes", "1", "--gpus-per-node",
+              "8", "--image", IMAGE, "train.micro_batch_size=4", "train.global_batch_size=32",
+              "--output", str(tmp_path / "bad.yaml")])
+    assert not (tmp_path / "bad.yaml").exists()
 
 
 BAD_INPUT = [
@@ -151,8 +190,14 @@ BAD_INPUT = [
     (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE], "needs --pvc"),
     (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "run.dir=/scratch/r"],
      "is not under --mount /fsx"),
-    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "--hyperpod",
-      "--namespace", "team-a"], "HyperPod auto-resume needs the kubeflow namespace"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx",
+      "--hyperpod-auto-resume", "--namespace", "team-a"], "HyperPod auto-resume needs the kubeflow namespace"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--kind", "hyperpod"],
+     "--kind hyperpod is now --kind hyperpodpytorchjob"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--hyperpod"],
+     "--hyperpod is now --hyperpod-auto-resume"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--kind", "pytorchjobs"],
+     "--kind pytorchjobs is not one of pytorchjob, hyperpodpytorchjob"),
     (["--nodes", "3", "--min-nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx",
       "train.global_batch_size=96"], "not divisible"),
 ]
@@ -186,6 +231,25 @@ def operator_environment(job: dict, rdzv_endpoint: str) -> dict[str, str]:
     }
 
 
+def start_pods(tmp_path: Path, job: dict, config_text: str, count: int) -> list[subprocess.Popen]:
+    """Run the manifest's container command as ``count`` pods would: what the kubelet provides
+    (the ConfigMap mounted as a file, the pod IP, the working directory, the container's env)
+    and what the training operator adds (``PET_*``); ``python3`` is this interpreter."""
+    container = k8s.job_pod_template(job)["spec"]["containers"][0]
+    config_file = tmp_path / "configmap" / "config.yaml"
+    config_file.parent.mkdir(exist_ok=True)
+    config_file.write_text(config_text)
+    Path(container["workingDir"]).mkdir(exist_ok=True)
+    pod_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    pod_env.update(PODTRAIN_CONFIG=str(config_file), POD_IP="127.0.0.1")
+    endpoint = f"127.0.0.1:{free_port()}"
+    base = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    return [subprocess.Popen(container["command"], cwd=container["workingDir"],
+                             env={**base, **pod_env, **operator_environment(job, endpoint)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(count)]
+
+
 @pytest.mark.e2e
 def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
     data = prepare_data(tmp_path / "data")
@@ -195,24 +259,11 @@ def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
                                "--mount", str(mount), "--join-timeout", "60",
                                overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=4",
                                           "run.dir=runs/k8s", "train.global_batch_size=8"))
-    container = k8s.job_pod_template(job)["spec"]["containers"][0]
-    # What the kubelet provides: the ConfigMap mounted as a file, the pod IP, the working dir.
-    config_file = tmp_path / "configmap" / "config.yaml"
-    config_file.parent.mkdir()
-    config_file.write_text(config_map["data"]["config.yaml"])
-    mount.mkdir()
-    pod_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    pod_env.update(PODTRAIN_CONFIG=str(config_file), POD_IP="127.0.0.1")
-    endpoint = f"127.0.0.1:{free_port()}"
-    base = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    pods = [subprocess.Popen(container["command"], cwd=container["workingDir"],
-                             env={**base, **pod_env, **operator_environment(job, endpoint)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(2)]
+    pods = start_pods(tmp_path, job, config_map["data"]["config.yaml"], 2)
     outputs = []
     try:
         for pod in pods:
-            outputs.append(pod.communicate(timeout=150)[0])
+            outputs.append("".join(pod.communicate(timeout=150)))
     finally:
         for pod in pods:
             if pod.poll() is None:
@@ -223,6 +274,49 @@ def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["world_size"] == 2 for r in records)
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.e2e
+def test_container_command_exits_143_after_sigterm_with_a_checkpoint_and_2_on_a_config_mistake(tmp_path):
+    """Kubernetes sees the container's exit status: the agent in the manifest's command turns the
+    workers' reports into it, where torchrun alone would exit 1 (ExitCode restarts 143, not 2)."""
+    data = prepare_data(tmp_path / "data")
+    mount = tmp_path / "fsx"
+    config_map, job = generate(tmp_path, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node",
+                               "2", "--image", IMAGE, "--pvc", "shared", "--mount", str(mount),
+                               overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=2000",
+                                          "run.dir=runs/k8s", "ckpt.every=1000"))
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
+    run_dir = mount / "runs" / "k8s"
+    (pod,) = start_pods(tmp_path, job, config_map["data"]["config.yaml"], 1)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(run_dir)) < 2 and pod.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pod.poll() is None, pod.communicate()[1][-3000:]
+        pod.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1
+        out, err = pod.communicate(timeout=120)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+    assert pod.returncode == 143, err[-3000:]
+    step = layout.parse_step((run_dir / "ckpt" / "latest").read_text().strip())
+    assert 2 <= step < 2000
+    verdict = layout.verify(run_dir / "ckpt" / layout.step_name(step))
+    assert verdict.ok, verdict.reason
+    own = [line for line in err.splitlines() if line.startswith("podtrain:")]
+    assert own == [f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} "
+                   "saved; run the same command to resume"], err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    assert list((run_dir / "logs").glob("torchrun_*.log")), "torchrun's own lines were not kept"
+
+    # A mistake in the ConfigMap: one line naming it, exit 2, before torchrun starts.
+    broken = config_map["data"]["config.yaml"].replace("lr: 0.003", "lr: fast")
+    (pod,) = start_pods(tmp_path, job, broken, 1)
+    out, err = pod.communicate(timeout=60)
+    assert pod.returncode == 2, err
+    assert err.count("\n") == 1 and err.startswith("podtrain: error: ") and "optim.lr" in err, err
 
 
 def test_generation_validates_against_the_shipped_crd_and_prints_the_path_mapping(tmp_path, monkeypatch,

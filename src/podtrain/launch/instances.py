@@ -87,6 +87,42 @@ INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
     InstanceType("g6e.48xlarge", 8, "L40S 48GB", 4, False, "L40S", 44, 400, 20),
 )}
 
+# vCPUs and host memory (GiB) of each preset, from the EC2 instance-type pages: what a pod that
+# owns the node may request (``pod_resources``).
+HOST_SIZES: dict[str, tuple[int, int]] = {
+    "p4d.24xlarge": (96, 1152), "p4de.24xlarge": (96, 1152), "p5.48xlarge": (192, 2048),
+    "p5e.48xlarge": (192, 2048), "p5en.48xlarge": (192, 2048), "p6-b200.48xlarge": (192, 2048),
+    "g5.8xlarge": (32, 128), "g5.12xlarge": (48, 192), "g5.24xlarge": (96, 384),
+    "g5.48xlarge": (192, 768), "g6.48xlarge": (192, 768), "g6e.48xlarge": (192, 1536),
+}
+
+EFA_HUGEPAGES_2MI = "5120Mi"
+"""2 MiB huge pages a pod using EFA requests: the EFA installer reserves 5128 of them on every
+EFA instance, and AWS's EKS EFA examples (nccl-tests on p5.48xlarge/p4d) request 5120Mi."""
+
+POD_SHARE = 0.9
+"""Share of a node's vCPUs and memory a training pod requests: the rest is left to the kubelet's
+reservations and eviction threshold and to the DaemonSets (CNI, EFA and GPU device plugins,
+HyperPod's health agents), so the pod still fits the node's allocatable."""
+
+
+def pod_resources(instance: InstanceType, gpus: int, efa: int) -> dict[str, str]:
+    """CPU and memory requests of a pod using ``gpus`` of the GPUs of one ``instance`` node: its
+    GPUs' share of ``POD_SHARE`` of the node (requests equal to limits make a Guaranteed pod,
+    evicted last, where a Burstable or BestEffort one goes first), plus the EFA huge pages when
+    it uses ``efa`` > 0 devices (libfabric needs them; they come out of the node's memory, so the
+    memory request leaves them aside)."""
+    vcpus, memory_gib = HOST_SIZES[instance.name]
+    share = POD_SHARE * min(1.0, gpus / instance.gpus)
+    resources = {"cpu": str(max(1, int(vcpus * share)))}
+    hugepages_gib = 0
+    if efa:
+        resources["hugepages-2Mi"] = EFA_HUGEPAGES_2MI
+        hugepages_gib = 10  # 5120 MiB, rounded up
+    resources["memory"] = f"{max(1, int(memory_gib * share) - hugepages_gib)}Gi"
+    return resources
+
+
 # On-demand USD per instance-hour, Linux, us-east-1, from https://aws.amazon.com/ec2/pricing/on-demand/
 # as recorded in May 2025 (before AWS's June 2025 P4/P5 price reductions of up to 45%: check the page
 # before booking). Types without a recorded price plan without a cost unless --price-per-hour is given.

@@ -2,7 +2,8 @@
 
 Writes two YAML documents: a ConfigMap holding the validated training config, and either a
 Kubeflow ``PyTorchJob`` (kubeflow.org/v1, the default) or SageMaker HyperPod's
-``HyperPodPyTorchJob`` (``--kind hyperpod``). What the PyTorchJob gets right:
+``HyperPodPyTorchJob`` (``--kind hyperpodpytorchjob``, whose image needs HyperPod's
+``hyperpodrun``: ``pip install hyperpod-elastic-agent``). What the PyTorchJob gets right:
 
 * ``elasticPolicy`` with c10d rendezvous, min/max replicas and ``maxRestarts``, and
   ``nprocPerNode``: the training operator turns them into the ``PET_*`` variables torchrun reads.
@@ -10,21 +11,25 @@ Kubeflow ``PyTorchJob`` (kubeflow.org/v1, the default) or SageMaker HyperPod's
   after the pods start) instead of failing the rendezvous, and passes its pod IP as
   ``--local-addr`` so the ranks are told addresses, not names that may not resolve yet.
 * Resources ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` (without the EFA devices NCCL quietly
-  falls back to TCP sockets), a memory-backed ``/dev/shm``, the shared-storage claim mounted where
-  the run directory lives, and the EFA/NCCL environment of the instance type.
-* ``--hyperpod``: HyperPod's job auto-resume annotations and a node affinity for nodes that passed
-  its health checks.
+  falls back to TCP sockets); with ``--instance-type``, CPU and memory requests equal to limits
+  (a Guaranteed pod, evicted last) and the EFA huge pages (``instances.pod_resources``); a
+  memory-backed ``/dev/shm``, the shared-storage claim mounted where the run directory lives, and
+  the EFA/NCCL environment of the instance type.
+* The container runs ``launch.agent`` around torchrun/hyperpodrun, so its exit status is the
+  workers' (0, 2, 124, 130, 143), and ``restartPolicy: ExitCode``: the training operator retries
+  a pod that ended with 128-255 (143 after a preemption save) and fails the job on 1-127 (2: a
+  user mistake; 124: a hang).
+* ``--hyperpod-auto-resume``: HyperPod's job auto-resume annotations (which need ``OnFailure``)
+  and a node affinity for nodes that passed its health checks.
 
-Every PyTorchJob is checked at generation time (``validate_pytorchjob``) against the CRD shipped in
-``launch/schemas/`` (jsonschema) and
-rejects fields the schema does not name (the schema alone lets a misspelt field through);
-``validate_pod_template`` checks the pod template against the core Kubernetes schema, offline.
+Every manifest is checked at generation time against the schemas shipped in ``launch/schemas/``
+(``podtrain.launch.schemas``): the PyTorchJob CRD, HyperPod's HyperPodPyTorchJob model, and the
+core Kubernetes pod template.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -34,8 +39,13 @@ import yaml
 from podtrain.config import load_config
 from podtrain.distributed.env import DEFAULT_MASTER_PORT
 from podtrain.errors import UserError
-from podtrain.launch.torchrun import TRAIN_MODULE, kill_grace_s, shutdown_timeout_s, torchrun_flags, worker_env
+from podtrain.launch import schemas
+from podtrain.launch.instances import pod_resources
 from podtrain.launch.jobspec import JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label
+from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
+                                     validate_pod_template, validate_pytorchjob)
+from podtrain.launch.torchrun import (TORCHRUN_MODULE, TRAIN_MODULE, kill_grace_s, shutdown_timeout_s,
+                                      torchrun_flags, worker_env)
 
 CONFIG_DIR = "/etc/podtrain"
 RDZV_PORT = DEFAULT_MASTER_PORT
@@ -44,6 +54,9 @@ HYPERPOD_EVAL_PERIOD_S = 1800  # restarts within this window count toward a full
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
 MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
+KINDS = ("pytorchjob", "hyperpodpytorchjob")
+AGENT = ("python3", "-m", "podtrain.launch.agent")
+"""The container's entry point around the launcher (``launch/agent.py``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,30 +67,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--efa", type=int, default=None,
                         help="EFA devices per pod (default: the instance type's)")
     parser.add_argument("--image", required=True, help="container image with podtrain, tagged")
-    parser.add_argument("--kind", choices=("pytorchjob", "hyperpod"), default="pytorchjob",
-                        help="pytorchjob (Kubeflow) or hyperpod (HyperPodPyTorchJob)")
+    parser.add_argument("--kind", default="pytorchjob", metavar="{pytorchjob,hyperpodpytorchjob}",
+                        help="pytorchjob (Kubeflow's PyTorchJob) or hyperpodpytorchjob (SageMaker "
+                        "HyperPod's HyperPodPyTorchJob: the image needs hyperpodrun)")
     parser.add_argument("--name", default=None, help="job name (default: podtrain-RUN)")
     parser.add_argument("--namespace", default=None,
-                        help="namespace (default: kubeflow with --hyperpod, else none)")
+                        help="namespace (default: kubeflow with --hyperpod-auto-resume, else none)")
     parser.add_argument("--pvc", default=None, help="shared-storage claim (e.g. FSx) for the run")
     parser.add_argument("--mount", default="/fsx", help="where the claim is mounted (default /fsx)")
     parser.add_argument("--shm-size", default="32Gi", help="memory-backed /dev/shm size (default 32Gi)")
-    parser.add_argument("--hyperpod", action="store_true",
-                        help="HyperPod job auto-resume annotations and healthy-node affinity")
+    parser.add_argument("--hyperpod-auto-resume", action="store_true",
+                        help="a PyTorchJob with HyperPod's job auto-resume annotations and "
+                        "healthy-node affinity (not a HyperPodPyTorchJob: see --kind)")
+    parser.add_argument("--hyperpod", action="store_true", help=argparse.SUPPRESS)  # renamed
     parser.add_argument("--max-retry", type=int, default=10,
-                        help="HyperPod job auto-resume retries (default 10)")
+                        help="HyperPod job retries: auto-resume's, or a HyperPodPyTorchJob's "
+                        "jobMaxRetryCount (default 10)")
     parser.add_argument("--output", "-o", default="-",
                         help="where to write the manifest (default: standard output)")
 
 
 def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Validate flags and config, then return ``[ConfigMap, job]``; UserError on bad input."""
+    _check_kind(args)
     check_image(args.image)
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
                       args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes)
-    hyperpod = args.hyperpod or args.kind == "hyperpod"
+    hyperpod = args.hyperpod_auto_resume or args.kind == "hyperpodpytorchjob"
     name = dns_label(args.name or f"podtrain-{Path(spec.cfg.run.dir).name}", limit=40)
-    namespace = _namespace(args.namespace, hyperpod)
+    namespace = _namespace(args.namespace, args.hyperpod_auto_resume)
     paths = _shared_paths(spec, args.pvc, args.mount)
     if args.max_restarts < 0 or args.join_timeout < 1 or args.max_retry < 0:
         raise UserError("--max-restarts and --max-retry must be >= 0, --join-timeout >= 1")
@@ -88,15 +106,30 @@ def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
         "data": {"config.yaml": config_yaml(spec.cfg, paths)},
     }
     template = pod_template(spec, args, name, paths["run.dir"], efa, hyperpod)
-    if args.kind == "hyperpod":
+    if args.kind == "hyperpodpytorchjob":
         job = _hyperpod_job(spec, args, name, namespace, template)
     else:
-        job = _pytorch_job(spec, args, name, namespace, template, hyperpod)
+        job = _pytorch_job(spec, args, name, namespace, template, args.hyperpod_auto_resume)
     return [config_map, job]
 
 
-def _namespace(namespace: str | None, hyperpod: bool) -> str | None:
-    if not hyperpod:
+def _check_kind(args: argparse.Namespace) -> None:
+    """``--kind`` is one of ``KINDS``; the old, confusable spellings say their new names."""
+    if args.hyperpod:
+        raise UserError("--hyperpod is now --hyperpod-auto-resume (HyperPod's auto-resume of a "
+                        "Kubeflow PyTorchJob; a HyperPodPyTorchJob is --kind hyperpodpytorchjob)")
+    if args.kind == "hyperpod":
+        raise UserError("--kind hyperpod is now --kind hyperpodpytorchjob (its image needs "
+                        "hyperpodrun; HyperPod's auto-resume of a PyTorchJob is --hyperpod-auto-resume)")
+    if args.kind not in KINDS:
+        raise UserError(f"--kind {args.kind} is not one of {', '.join(KINDS)}")
+    if args.hyperpod_auto_resume and args.kind == "hyperpodpytorchjob":
+        raise UserError("--hyperpod-auto-resume is for a PyTorchJob; a HyperPodPyTorchJob restarts "
+                        "by its own runPolicy (--max-retry, --max-restarts)")
+
+
+def _namespace(namespace: str | None, auto_resume: bool) -> str | None:
+    if not auto_resume:
         return namespace
     namespace = namespace or "kubeflow"
     # HyperPod only auto-resumes jobs in these namespaces.
@@ -153,24 +186,32 @@ def _metadata(name: str, namespace: str | None, spec: JobSpec) -> dict[str, Any]
     return meta
 
 
-def worker_script(hyperpod_kind: bool, spec: JobSpec, args: argparse.Namespace) -> str:
-    """The shell command each worker pod runs (``bash -c``).
+def worker_script(hyperpod_kind: bool, spec: JobSpec, run_dir: str) -> str:
+    """The shell command each worker pod runs (``bash -c``): it ``exec``s ``launch.agent``
+    around torchrun or hyperpodrun, so the agent is the container's PID 1 and gets the kubelet's
+    SIGTERM, and the container's exit status is the workers' (see ``launch/agent.py``).
 
     The PyTorchJob variant leaves nnodes, rendezvous and restarts to the ``PET_*`` variables the
-    training operator sets from ``elasticPolicy``.
+    training operator sets from ``elasticPolicy``; torchrun's ``--shutdown-timeout`` is added by
+    the agent where the image's torch has it (2.12+). Each rank's output is also kept under
+    ``RUN_DIR/logs``.
     """
     train = " ".join(TRAIN_MODULE) + ' "$PODTRAIN_CONFIG"'
+    agent = " ".join(AGENT)
     grace_s = spec.cfg.ckpt.grace_s
     if hyperpod_kind:
         return (
             "set -euo pipefail\n"
             "# hyperpodrun: HyperPod's torchrun (pip hyperpod-elastic-agent), talking to its operator.\n"
             "# Its default shutdown is SIGKILL: SIGTERM and a timeout give the workers their save.\n"
-            f"exec hyperpodrun --nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node} "
+            f"exec {agent} hyperpodrun --nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node} "
             f"--shutdown-signal=SIGTERM --shutdown-timeout={shutdown_timeout_s(grace_s)} "
-            f"--tee=3 --log_dir=/tmp/hyperpod {train}\n")
+            f"--log-dir={run_dir}/logs --tee=3 {train}\n")
+    flags = torchrun_flags(nproc=spec.nproc_per_node, local_addr='"$POD_IP"', grace_s=grace_s,
+                           log_dir=f"{run_dir}/logs", shutdown_flag=False)
     return (
         "set -euo pipefail\n"
+        "trap 'exit 143' TERM  # PID 1 until the exec: a SIGTERM while waiting ends the wait\n"
         "# Pod DNS names are published a few seconds after the pods start: wait for the\n"
         "# rendezvous host's name instead of failing the rendezvous on it.\n"
         'host="${PET_RDZV_ENDPOINT%:*}"\n'
@@ -179,9 +220,7 @@ def worker_script(hyperpod_kind: bool, spec: JobSpec, args: argparse.Namespace) 
         "{ echo \"podtrain: rendezvous host $host does not resolve\" >&2; exit 1; }\n"
         "# torchrun takes nnodes, rendezvous and max-restarts from the operator's PET_* variables;\n"
         "# nproc is explicit because operator versions disagree on PET_NPROC_PER_NODE.\n"
-        "exec python3 -m torch.distributed.run "
-        + " ".join(torchrun_flags(nproc=spec.nproc_per_node, local_addr='"$POD_IP"', grace_s=grace_s))
-        + f" {train}\n")
+        f"exec {agent} python3 {' '.join(TORCHRUN_MODULE)} {' '.join(flags)} {train}\n")
 
 
 def _environment(spec: JobSpec, run_dir: str) -> list[dict[str, Any]]:
@@ -195,17 +234,19 @@ def _environment(spec: JobSpec, run_dir: str) -> list[dict[str, Any]]:
 def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: str, efa: int,
                  hyperpod: bool) -> dict[str, Any]:
     """The worker pod template (a core ``PodTemplateSpec``)."""
-    hyperpod_kind = args.kind == "hyperpod"
+    hyperpod_kind = args.kind == "hyperpodpytorchjob"
     limits: dict[str, Any] = {}
     if spec.gpus_per_node:
         limits["nvidia.com/gpu"] = spec.gpus_per_node
     if efa:
         limits["vpc.amazonaws.com/efa"] = efa
+    if spec.instance is not None and spec.gpus_per_node:
+        limits.update(pod_resources(spec.instance, spec.gpus_per_node, efa))
     container: dict[str, Any] = {
         "name": "pytorch",  # the training operator looks for this container name
         "image": args.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["bash", "-c", worker_script(hyperpod_kind, spec, args)],
+        "command": ["bash", "-c", worker_script(hyperpod_kind, spec, run_dir)],
         "env": _environment(spec, run_dir),
         "ports": [{"name": "pytorchjob-port",
                    "containerPort": HYPERPOD_AGENT_PORT if hyperpod_kind else RDZV_PORT}],
@@ -240,9 +281,9 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
 
 
 def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,
-                 template: dict[str, Any], hyperpod: bool) -> dict[str, Any]:
+                 template: dict[str, Any], auto_resume: bool) -> dict[str, Any]:
     meta = _metadata(name, namespace, spec)
-    if hyperpod:
+    if auto_resume:
         meta["annotations"] = {AUTO_RESUME: "true", MAX_RETRY: str(args.max_retry)}
     return {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta,
@@ -257,9 +298,10 @@ def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: 
             "nprocPerNode": str(spec.nproc_per_node),
             "pytorchReplicaSpecs": {"Worker": {
                 "replicas": spec.nodes,
-                # HyperPod auto-resume requires OnFailure. Elsewhere ExitCode: 128-255 (143 after a
-                # preemption save, a crash) restart the pod; 1-127 (2: a user mistake) do not.
-                "restartPolicy": "OnFailure" if args.hyperpod else "ExitCode",
+                # ExitCode: the operator re-creates a pod that exited with 128-255 (143 after a
+                # preemption save, a kill) and fails the job on 1-127 (2: a user mistake, 124: a
+                # hang, 1: a crash). HyperPod's auto-resume requires OnFailure, which retries all.
+                "restartPolicy": "OnFailure" if args.hyperpod_auto_resume else "ExitCode",
                 "template": template,
             }},
         },
@@ -285,78 +327,6 @@ def _hyperpod_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace:
     }
 
 
-# ------------------------------------------------------------------------------------ validation
-
-
-CRD_FILE = Path(__file__).resolve().parent / "schemas" / "kubeflow.org_pytorchjobs.yaml"
-"""The PyTorchJob CRD shipped with podtrain (see the file's header for its source and license)."""
-
-
-@functools.lru_cache(maxsize=4)
-def crd_schema(crd_path: str | Path = CRD_FILE) -> dict[str, Any]:
-    """The ``openAPIV3Schema`` of a CRD file (by default the shipped PyTorchJob CRD)."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 600 kB: the C loader is 10x faster
-    crd = yaml.load(Path(crd_path).read_text(), Loader=loader)
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def unknown_fields(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Paths in ``obj`` that ``schema`` does not name (what the API server would prune).
-
-    Walks ``properties``, map values (``additionalProperties``) and list ``items``; stops where
-    the schema keeps unknown fields or gives no structure (``metadata: {type: object}``).
-    """
-    if schema.get("x-kubernetes-preserve-unknown-fields") or not isinstance(schema, dict):
-        return []
-    found: list[str] = []
-    if isinstance(obj, dict):
-        props = schema.get("properties")
-        extra = schema.get("additionalProperties")
-        for key, value in obj.items():
-            where = f"{path}.{key}" if path else key
-            if props is not None and key in props:
-                found += unknown_fields(value, props[key], where)
-            elif isinstance(extra, dict):
-                found += unknown_fields(value, extra, where)
-            elif props is not None:
-                found.append(where)
-    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
-        for i, value in enumerate(obj):
-            found += unknown_fields(value, schema["items"], f"{path}[{i}]")
-    return found
-
-
-def validate_pytorchjob(job: dict[str, Any], crd_path: str | Path = CRD_FILE) -> None:
-    """Raise ValueError when ``job`` breaks the PyTorchJob CRD schema or has unknown fields."""
-    import jsonschema
-
-    schema = crd_schema(crd_path)
-    errors = sorted(jsonschema.Draft4Validator(schema).iter_errors(job), key=lambda e: list(e.path))
-    if errors:
-        first = errors[0]
-        raise ValueError(f"PyTorchJob schema: {'.'.join(map(str, first.path))}: {first.message}")
-    extra = unknown_fields(job, schema)
-    if extra:
-        raise ValueError(f"PyTorchJob has fields its schema does not know: {', '.join(extra)}")
-
-
-def validate_pod_template(template: dict[str, Any], version: str | None = None) -> None:
-    """Validate a pod template against core Kubernetes (offline, strict: unknown fields fail)."""
-    import kubernetes_validate
-
-    version = version or kubernetes_validate.latest_version()
-    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
-                                  "metadata": {"name": "podtrain-check"}, "template": template},
-                                 version, strict=True)
-
-
-def job_pod_template(job: dict[str, Any]) -> dict[str, Any]:
-    """The worker pod template of a PyTorchJob or HyperPodPyTorchJob manifest."""
-    if job["kind"] == "PyTorchJob":
-        return job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
-    return job["spec"]["replicaSpecs"][0]["template"]
-
-
 class _Dumper(yaml.SafeDumper):
     """YAML with multi-line strings (the worker script) as readable literal blocks."""
 
@@ -377,8 +347,11 @@ def to_yaml(docs: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Validate, then write the manifests (standard output or --output)."""
     docs = build_manifests(args)
-    if docs[1]["kind"] == "PyTorchJob":  # a failure here is a podtrain bug, never the user's
+    # A failure here is a podtrain bug, never the user's: a traceback, and nothing written.
+    if docs[1]["kind"] == "PyTorchJob":
         validate_pytorchjob(docs[1], CRD_FILE)
+    else:
+        schemas.validate_hyperpodpytorchjob(docs[1])
     try:  # optional dependency (pip install podtrain[k8s])
         validate_pod_template(job_pod_template(docs[1]))
     except ImportError:

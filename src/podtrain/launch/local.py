@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,14 +27,13 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
-from podtrain.ckpt.layout import CKPT_SUBDIR, list_checkpoints, step_name
 from podtrain.config import accumulation_steps, load_config
 from podtrain.distributed.env import threads_per_rank
-from podtrain.distributed.watchdog import HANG_EXIT_CODE
-from podtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from podtrain.errors import UserError
 from podtrain.launch.agent_output import AgentOutput
-from podtrain.launch.exit_report import EXIT_REPORT_DIR, ExitReport, job_exit, read_reports, torchrun_exit_codes
-from podtrain.launch.torchrun import TRAIN_MODULE, torchrun_flags, worker_env
+from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
+from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
+from podtrain.launch.torchrun import TORCHRUN_MODULE, TRAIN_MODULE, torchrun_flags, worker_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +67,7 @@ def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: 
     flags = torchrun_flags(nnodes=nnodes, nproc=nproc, rdzv_endpoint=f"127.0.0.1:{port}",
                            rdzv_id=rdzv_id, join_timeout=join_timeout, is_host=host and nnodes > 1,
                            max_restarts=max_restarts, grace_s=grace_s, log_dir=log_dir)
-    return [sys.executable, "-m", "torch.distributed.run", *flags, *TRAIN_MODULE, config, *overrides]
+    return [sys.executable, *TORCHRUN_MODULE, *flags, *TRAIN_MODULE, config, *overrides]
 
 
 def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = None,
@@ -107,51 +105,10 @@ def run(args: argparse.Namespace) -> int:
                                    stderr=subprocess.PIPE, text=True, errors="replace")
                   for i in range(args.nnodes)]
         with AgentOutput(agents, log_dir / f"torchrun_{rdzv_id}.log") as output:
-            agent_codes, received = _wait_forwarding_signals(agents)
+            agent_codes, received = wait_forwarding_signals(agents)
         reports = read_reports(reports_dir)
-    return _verdict(cfg, agent_codes, received, reports, output)
-
-
-def _verdict(cfg, agent_codes: list[int], received: int | None, reports: dict[int, ExitReport],
-             output: AgentOutput) -> int:
-    """Print the one line that says how the job ended and return its exit code."""
-    code, report = job_exit(reports, torchrun_exit_codes(output.torchrun_text))
-    if received is not None and (code == 0 or code >= 128):
-        code = 128 + received  # we relayed the signal: 130 for Ctrl-C, 143 for SIGTERM
-    where = output.log_path.parent
-    if code == 0 and any(agent_codes):
-        code = next(c for c in agent_codes if c)
-        print(f"podtrain: error: torchrun exited with {code} before any rank reported; its output is "
-              f"in {output.log_path}", file=sys.stderr)
-    elif code == USER_ERROR_EXIT_CODE:
-        raise UserError(report.message if report is not None and report.message else
-                        f"a rank stopped with a user error; see {where}")
-    elif code >= 128:
-        print(f"podtrain: {_stop_line(cfg, code, reports)}", file=sys.stderr)
-    elif code == HANG_EXIT_CODE:
-        print(f"podtrain: error: rank {report.rank} hung (no step within dist.timeout_s); stacks and "
-              f"last collectives are in {Path(cfg.run.dir) / 'debug'}", file=sys.stderr)
-    elif code != 0:
-        reason = f": {report.message}" if report.message else ""
-        print(f"podtrain: error: rank {report.rank} failed with exit code {code}{reason}; its output "
-              f"is in {where}", file=sys.stderr)
-    return code
-
-
-def _stop_line(cfg, code: int, reports: dict[int, ExitReport]) -> str:
-    """``stopped by SIGINT at step N, checkpoint step_N saved; ...``: the step the ranks report,
-    else the run directory's newest complete checkpoint."""
-    name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"exit {code}"
-    steps = [r.step for r in reports.values() if r.code >= 128 and r.step is not None]
-    saved = list_checkpoints(Path(cfg.run.dir) / CKPT_SUBDIR)
-    if steps and any(step == max(steps) for step, _ in saved):
-        step = max(steps)
-    elif saved:
-        step = saved[-1][0]
-    else:
-        return f"stopped by {name} before any checkpoint was saved"
-    return (f"stopped by {name} at step {step}, checkpoint {step_name(step)} saved; run the same "
-            f"command to resume")
+    return job_verdict(Path(cfg.run.dir), agent_codes, received, reports, output.torchrun_text,
+                       output.log_path)
 
 
 def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
@@ -162,25 +119,3 @@ def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)
     check_run(cfg, world_size, local_world_size, device)
-
-
-def _wait_forwarding_signals(agents: list[subprocess.Popen]) -> tuple[list[int], int | None]:
-    """Wait for every agent; SIGTERM/SIGINT/SIGUSR1/SIGHUP to us go to them (torchrun relays to its
-    workers, SIGHUP as SIGTERM). Returns the agents' codes and the first signal we received."""
-    received: list[int] = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        for agent in agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in relayed}
-    try:
-        codes = [agent.wait() for agent in agents]
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    first = received[0] if received else None
-    return codes, (signal.SIGTERM if first == signal.SIGHUP else first)

@@ -16,7 +16,10 @@ builds its command from these functions, ``slurm.py`` renders them into the batc
   interface that routes to the rendezvous host instead).
 * ``--shutdown-timeout``: on SIGTERM torchrun relays the signal to its workers and SIGKILLs them
   after this many seconds (30 by default). podtrain sets it from ``ckpt.grace_s`` so the
-  checkpoint a preemption asks for can finish (``shutdown_timeout_s``).
+  checkpoint a preemption asks for can finish (``shutdown_timeout_s``). torchrun has the flag
+  from torch 2.12 and rejects it before, so it is passed only where the torchrun that will run
+  has it: the installed torch for ``launch local`` and ``launch slurm`` (a shared environment),
+  the image's, checked at run time by ``launch.agent``, on Kubernetes.
 * ``join_timeout`` in ``--rdzv-conf``: a missing node fails the rendezvous in a minute, not ten;
   ``is_host=1`` on the node that hosts the c10d store (needed when the host name resolves to
   127.0.0.1, as in containers and network namespaces).
@@ -24,8 +27,10 @@ builds its command from these functions, ``slurm.py`` renders them into the batc
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
+import re
 from pathlib import Path
 
 RELIABLE_RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -42,6 +47,17 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 TRAIN_MODULE = ("-m", "podtrain.cli", "train")
 """What each worker runs: ``python -m podtrain.cli train CONFIG [overrides]``."""
+
+TORCHRUN_MODULE = ("-m", "torch.distributed.run")
+"""How the launchers start torchrun: ``python -m torch.distributed.run`` (the ``torchrun``
+script of the same Python, without relying on PATH)."""
+
+TORCHRUN_DEFAULT_SHUTDOWN_S = 30
+"""Seconds torchrun waits between SIGTERM and SIGKILL to its workers unless told otherwise (and
+always, before torch 2.12)."""
+
+SHUTDOWN_TIMEOUT_SINCE = (2, 12)
+"""The first torch whose torchrun takes ``--shutdown-timeout``."""
 
 SHUTDOWN_MARGIN_S = 15
 """Seconds a pod's grace period (or a scheduler's kill wait) should exceed torchrun's shutdown
@@ -77,11 +93,23 @@ def worker_env(debug_dir: str | os.PathLike | None, gpus: bool) -> dict[str, str
     return env
 
 
+def torchrun_has_shutdown_timeout(torch_version: str | None = None) -> bool:
+    """Whether torchrun of ``torch_version`` (default: the installed torch, read from its metadata
+    without importing it) takes ``--shutdown-timeout``; False when no torch is installed."""
+    if torch_version is None:
+        try:
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    match = re.match(r"(\d+)\.(\d+)", torch_version)
+    return match is not None and (int(match[1]), int(match[2])) >= SHUTDOWN_TIMEOUT_SINCE
+
+
 def shutdown_timeout_s(grace_s: float) -> int:
     """torchrun's ``--shutdown-timeout`` for a run whose scheduler grants ``grace_s`` seconds
     between SIGTERM and SIGKILL: all of it goes to the workers' checkpoint (at least torchrun's
     own default of 30 s)."""
-    return max(30, math.ceil(grace_s))
+    return max(TORCHRUN_DEFAULT_SHUTDOWN_S, math.ceil(grace_s))
 
 
 def kill_grace_s(grace_s: float) -> int:
@@ -103,10 +131,11 @@ def torchrun_flags(*, nproc: int | str, grace_s: float, nnodes: int | str | None
                    rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                    join_timeout: int | None = None, is_host: bool | str | None = None,
                    local_addr: str | None = None, max_restarts: int | str | None = None,
-                   log_dir: str | None = None) -> list[str]:
-    """torchrun's flags for one agent (pure). Options left None are left to torchrun (or, in a
+                   log_dir: str | None = None, shutdown_flag: bool | None = None) -> list[str]:
+    """torchrun's flags for one agent. Options left None are left to torchrun (or, in a
     PyTorchJob, to the operator's ``PET_*`` variables); values may be shell expressions for the
-    scripts that render them."""
+    scripts that render them. ``--shutdown-timeout`` (from ``grace_s``) is passed when
+    ``shutdown_flag`` says so, by default when the installed torch's torchrun has it."""
     flags = []
     if nnodes is not None:
         flags.append(f"--nnodes={nnodes}")
@@ -121,7 +150,8 @@ def torchrun_flags(*, nproc: int | str, grace_s: float, nnodes: int | str | None
         flags.append(f"--local-addr={local_addr}")
     if max_restarts is not None:
         flags.append(f"--max-restarts={max_restarts}")
-    flags.append(f"--shutdown-timeout={shutdown_timeout_s(grace_s)}")
+    if torchrun_has_shutdown_timeout() if shutdown_flag is None else shutdown_flag:
+        flags.append(f"--shutdown-timeout={shutdown_timeout_s(grace_s)}")
     if log_dir is not None:
         flags += ["--log-dir", log_dir, "--tee", "3"]
     return flags

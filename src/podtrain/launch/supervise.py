@@ -1,0 +1,96 @@
+"""The end of a job whose torchrun agents are our children: relay stop signals, then one verdict.
+
+``launch local`` (agents on this machine) and ``launch.agent`` (a container's entry point around
+torchrun or hyperpodrun) end the same way, so the code is here once:
+
+* ``wait_forwarding_signals``: SIGTERM, SIGINT, SIGUSR1 and SIGHUP that reach us go to the agents
+  (which run in their own sessions, so a terminal's Ctrl-C or a group kill reaches only us), and
+  torchrun relays them to its workers; SIGHUP goes on as SIGTERM.
+* ``job_verdict``: the workers' reports (``exit_report``) and torchrun's failure summary become
+  the job's exit code, 0, 2 (with the rank's one-line reason), 124 (a hang), 128+N (stopped by
+  a signal after its checkpoint) or a crash's code, and one line that says so.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from podtrain.ckpt.layout import CKPT_SUBDIR, list_checkpoints, step_name
+from podtrain.distributed.watchdog import HANG_EXIT_CODE
+from podtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from podtrain.launch.exit_report import ExitReport, job_exit, torchrun_exit_codes
+
+RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+"""Signals passed on to the agents (HyperPod asks for a graceful stop with SIGUSR1)."""
+
+
+def wait_forwarding_signals(agents: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every agent while relaying ``RELAYED_SIGNALS`` to them. Returns the agents' exit
+    codes and the first signal we received (SIGHUP reported as SIGTERM), or None."""
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    previous = {s: signal.signal(s, forward) for s in RELAYED_SIGNALS}
+    try:
+        codes = [agent.wait() for agent in agents]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    first = received[0] if received else None
+    return codes, (signal.SIGTERM if first == signal.SIGHUP else first)
+
+
+def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
+                reports: dict[int, ExitReport], torchrun_text: str, torchrun_log: Path) -> int:
+    """Print the one line that says how the job ended and return its exit code (a user mistake
+    raises ``UserError`` with the rank's own message, which the caller prints as its one line).
+
+    ``torchrun_text`` is the agents' own output (their failure summary names ranks that could not
+    write a report); ``torchrun_log`` is where it was kept, named when nothing else explains the
+    end. With ``received``, a stop we relayed ends as ``128 + received`` (130, 143).
+    """
+    code, report = job_exit(reports, torchrun_exit_codes(torchrun_text))
+    if received is not None and (code == 0 or code >= 128):
+        code = 128 + received
+    where = torchrun_log.parent
+    if code == 0 and any(agent_codes):
+        code = next(c for c in agent_codes if c)
+        print(f"podtrain: error: torchrun exited with {code} before any rank reported; its output is "
+              f"in {torchrun_log}", file=sys.stderr)
+    elif code == USER_ERROR_EXIT_CODE:
+        raise UserError(report.message if report is not None and report.message else
+                        f"a rank stopped with a user error; see {where}")
+    elif code >= 128:
+        print(f"podtrain: {stop_line(run_dir, code, reports)}", file=sys.stderr)
+    elif code == HANG_EXIT_CODE:
+        print(f"podtrain: error: rank {report.rank} hung (no step within dist.timeout_s); stacks and "
+              f"last collectives are in {run_dir / 'debug'}", file=sys.stderr)
+    elif code != 0:
+        reason = f": {report.message}" if report.message else ""
+        print(f"podtrain: error: rank {report.rank} failed with exit code {code}{reason}; its output "
+              f"is in {where}", file=sys.stderr)
+    return code
+
+
+def stop_line(run_dir: Path, code: int, reports: dict[int, ExitReport]) -> str:
+    """``stopped by SIGINT at step N, checkpoint step_N saved; ...``: the step the ranks report,
+    else the run directory's newest complete checkpoint."""
+    name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"exit {code}"
+    steps = [r.step for r in reports.values() if r.code >= 128 and r.step is not None]
+    saved = list_checkpoints(run_dir / CKPT_SUBDIR)
+    if steps and any(step == max(steps) for step, _ in saved):
+        step = max(steps)
+    elif saved:
+        step = saved[-1][0]
+    else:
+        return f"stopped by {name} before any checkpoint was saved"
+    return (f"stopped by {name} at step {step}, checkpoint {step_name(step)} saved; run the same "
+            f"command to resume")
