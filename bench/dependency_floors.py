@@ -2,15 +2,17 @@
 """Check pyproject.toml's dependency floors: a short real job with exactly those versions installed.
 
 Creates a fresh virtual environment in a temporary directory, installs torch (TORCH_SPEC, default
-the Makefile's torch==2.13.0: the torch floor's Linux wheels on PyPI are multi-GB CUDA builds, so
-on a CPU machine the pinned CPU build from pip's find-links stands in), then EXACTLY the floor of
+the Makefile's torch==2.13.0: the torch floor's (2.8) Linux wheels on PyPI are multi-GB CUDA builds,
+so on a CPU machine the pinned CPU build from pip's find-links stands in; on a machine with the
+torch floor's wheel at hand, run with TORCH_SPEC=torch==2.8.0), then EXACTLY the floor of
 every other dependency and of the parquet and k8s extras, read from pyproject.toml (so this
 script cannot drift from what is declared), then podtrain itself with --no-deps. In that
 environment, from a scratch working directory, it runs: ``pip check``; ``podtrain prepare builtin``
 (small) and ``prepare`` of a Parquet file (pyarrow floor); a 2-rank ``podtrain launch local`` of
 configs/demo.yaml for 3 steps with the rich progress bar (rich floor); ``podtrain export``, then
 ``from_pretrained`` logits equal to the checkpoint's model; ``podtrain sample``; ``podtrain launch
-k8s`` (pod template validated by the kubernetes-validate floor). Prints the versions tested and
+k8s`` (pod template validated by the kubernetes-validate floor) and ``launch k8s --kind
+hyperpodpytorchjob`` (validated by HyperPod's model on the pydantic floor). Prints the versions tested and
 PASS/FAIL per stage; exits 1 when any stage fails.
 
 Usage (from the repo root, Python >= 3.11 for tomllib; ~1.5 minutes on 2 cores with a warm pip
@@ -163,6 +165,10 @@ def main() -> int:
               [str(podtrain), "launch", "k8s", demo, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2",
                "--image", "podtrain:floors", "--output", "job.yaml"],
               [str(py), "-c", K8S_CHECK, "job.yaml"])
+        stage("launch k8s --kind hyperpodpytorchjob (HyperPod's pydantic model, by_name)",
+              [str(podtrain), "launch", "k8s", demo, "--kind", "hyperpodpytorchjob", "--nodes", "1",
+               "--gpus-per-node", "0", "--nproc-per-node", "2", "--image", "podtrain:floors",
+               "--output", "hyperpod.yaml"])
     wall = time.perf_counter() - started
     failed = [name for name, ok, _ in results if not ok]
     print(f"\n{len(results) - len(failed)}/{len(results)} stages passed in {wall:.0f} s"

@@ -6,8 +6,10 @@ manifest run here, two "pods" with the environment the training operator gives t
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +23,9 @@ from cluster_fixtures import TINY_TRAINING, free_port, prepare_data, read_metric
 from podtrain.ckpt import layout
 from podtrain.cli import main
 from podtrain.config import load_config
-from podtrain.launch import k8s, schemas
+import podtrain
+from podtrain.errors import UserError
+from podtrain.launch import agent, k8s, schemas, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -340,3 +344,54 @@ def test_generation_validates_against_the_shipped_crd_and_prints_the_path_mappin
               "--pvc", "fsx", "train.micro_batch_size=4", "train.global_batch_size=64",
               "--output", str(tmp_path / "j.yaml")])
     assert not (tmp_path / "j.yaml").exists()
+
+
+def test_shutdown_timeout_only_where_the_launcher_has_it():
+    # torchrun took --shutdown-timeout in torch 2.12 and rejects it before: local and Slurm
+    # decide by the installed torch, the container's agent by the image's at run time.
+    assert [torchrun.torchrun_has_shutdown_timeout(v) for v in ("2.8.0", "2.11.0", "2.12.0+cu128",
+                                                                "2.13.0+cpu", "3.0")] == \
+        [False, False, True, True, True]
+    assert "--shutdown-timeout=90" in torchrun.torchrun_flags(nproc=2, grace_s=90, shutdown_flag=True)
+    assert not any(f.startswith("--shutdown") for f in
+                   torchrun.torchrun_flags(nproc=2, grace_s=90, shutdown_flag=False))
+    command = ["python3", "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "podtrain.cli",
+               "train", "/etc/podtrain/config.yaml", "train.steps=5"]
+    assert agent.train_arguments(command) == ("/etc/podtrain/config.yaml", ["train.steps=5"])
+    assert agent.with_shutdown_timeout(command, 90, supported=True) == [
+        "python3", "-m", "torch.distributed.run", "--shutdown-timeout=90", *command[3:]]
+    assert agent.with_shutdown_timeout(command, 90, supported=False) == command
+    given = [*command[:3], "--shutdown_timeout=40", *command[3:]]
+    assert agent.with_shutdown_timeout(given, 90, supported=True) == given
+    hyperpodrun = ["hyperpodrun", "--shutdown-signal=SIGTERM", "--shutdown-timeout=120", *command[3:]]
+    assert agent.with_shutdown_timeout(hyperpodrun, 90, supported=True) == hyperpodrun
+    with pytest.raises(UserError, match="must run `-m podtrain.cli train CONFIG`"):
+        agent.train_arguments(["torchrun", "train.py"])
+
+
+UNREACHABLE = re.compile(r"NewConnectionError|Failed to establish a new connection|Name or service not "
+                         r"known|Temporary failure in name resolution|Network is unreachable|"
+                         r"ConnectTimeoutError|Read timed out")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent(tmp_path):
+    """hyperpod-elastic-agent 1.1.3 (hyperpodrun) needs torch < 2.12: podtrain's floors must let
+    pip resolve both into one image. One resolver call, against the real index."""
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+                           "--quiet", "--retries", "0", "--timeout", "30", "--report", str(report),
+                           str(REPO), "hyperpod-elastic-agent>=1.1.3"],
+                          capture_output=True, text=True, timeout=300)
+    unreachable = UNREACHABLE.search(proc.stdout + proc.stderr)
+    if proc.returncode != 0 and unreachable:
+        pytest.skip(f"the package index cannot be reached ({unreachable[0]}): nothing to resolve against")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+                 for item in json.loads(report.read_text())["install"]}
+    assert installed["podtrain"] == podtrain.__version__
+    assert _release(installed["hyperpod-elastic-agent"]) >= (1, 1, 3)
+    assert (2, 8) <= _release(installed["torch"])[:2] < (2, 12), installed["torch"]

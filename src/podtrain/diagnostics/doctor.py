@@ -6,13 +6,15 @@ same exit code (0 healthy, 1 a check failed), and each failure names the host an
 * versions: torch, CUDA and NCCL the same on every rank;
 * gpus: GPUs found on each host against ``--gpus-per-node`` (and enough for the local ranks);
 * efa: EFA/RDMA devices (/sys/class/infiniband, ``fi_info -p efa`` when installed), FI_PROVIDER;
+* transport: the network NCCL uses on each host (``transport.probe``: NET/OFI, NET/IB,
+  NET/Socket), failing a host that has EFA devices but whose NCCL fell back to TCP sockets;
 * network: interfaces up, and GLOO_/NCCL_SOCKET_IFNAME naming an interface that exists;
 * run dir: ``--run-dir`` writable from every rank, and every rank's file visible to every rank
   (a shared filesystem, not a node-local path);
 * rendezvous: MASTER_ADDR:MASTER_PORT reachable before the group forms, then a barrier's time;
 * all_reduce: one checked all_reduce (element by element) and its busbw;
 * compute: a matmul benchmark per rank; a rank more than ``--slow-threshold`` (10%) slower
-  than the median fails.
+  than the median of the other ranks fails.
 
 One process works too: the cross-rank checks then report that they had nothing to compare.
 This module gathers the facts, runs the probes that talk to other ranks and holds the CLI; the
@@ -38,9 +40,10 @@ from typing import Any
 
 import torch
 
+from podtrain.diagnostics import transport
 from podtrain.diagnostics.checks import (FAIL, INFO, OK, Check, check_compute, check_efa,
-                                         check_gpus, check_network, check_run_dir, check_versions,
-                                         culprit_names)
+                                         check_gpus, check_network, check_run_dir, check_transport,
+                                         check_versions, culprit_names)
 from podtrain.distributed.env import ClusterEnv, launcher_variables
 from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import ipv4_of
@@ -82,10 +85,15 @@ def network_interfaces() -> list[dict[str, Any]]:
     return out
 
 
-def efa_facts() -> dict[str, Any]:
-    """RDMA devices in /sys/class/infiniband and whether libfabric's fi_info sees EFA."""
-    ib = Path("/sys/class/infiniband")
-    devices = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+def efa_facts(sysfs: Path = Path("/sys/class/infiniband")) -> dict[str, Any]:
+    """RDMA devices in /sys/class/infiniband, which of them are EFA, and whether libfabric's
+    fi_info sees EFA.
+
+    rdma-core names EFA devices ``rdmap<bus>s<slot>`` (``efa_<n>`` without its udev rules), so a
+    device is EFA by its driver (``device/driver`` links to the ``efa`` driver) or by its name.
+    """
+    devices = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+    efa = [d for d in devices if "efa" in d or (sysfs / d / "device" / "driver").resolve().name == "efa"]
     fi_info = None
     if shutil.which("fi_info"):
         try:
@@ -94,7 +102,7 @@ def efa_facts() -> dict[str, Any]:
             fi_info = res.returncode == 0 and "provider: efa" in res.stdout
         except (OSError, subprocess.TimeoutExpired):
             fi_info = False
-    return {"devices": devices, "fi_info_efa": fi_info}
+    return {"devices": devices, "efa_devices": efa, "fi_info_efa": fi_info}
 
 
 def local_facts(env: ClusterEnv) -> dict[str, Any]:
@@ -229,6 +237,9 @@ class DoctorReport:
 def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
     """Run every check on this rank (call on every rank); every rank gets the same report."""
     facts = local_facts(ctx.env)
+    # NCCL's network is a host's fact: its first rank asks NCCL (a subprocess, ~10 s on a GPU).
+    uses_nccl = ctx.device.type != "cpu" and ctx.backend != "gloo"
+    facts["nccl_net"] = transport.probe() if uses_nccl and ctx.env.local_rank == 0 else None
     facts["run_dir"], probe_dir = write_run_dir(ctx, opts.run_dir)
     barrier_s = barrier_time(ctx)
     allreduce = _allreduce_check(ctx, opts)
@@ -247,7 +258,7 @@ def run_doctor(ctx: Any, opts: DoctorOptions) -> DoctorReport:
         allreduce.detail += f" on {culprit_names(allreduce.culprits)}"
     checks = [
         check_versions(everyone), check_gpus(everyone, opts.gpus_per_node, ctx.backend),
-        check_efa(everyone, opts.expect_efa), check_network(everyone),
+        check_efa(everyone, opts.expect_efa), check_transport(everyone), check_network(everyone),
         check_run_dir(everyone, opts.run_dir, ctx.world_size), _rendezvous_check(ctx, barrier_s),
         allreduce, check_compute(everyone, opts.slow_threshold),
     ]
@@ -292,7 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="matmul side (default 512 on CPU, 4096 on GPU)")
     parser.add_argument("--slow-threshold", type=float, default=0.10,
-                        help="fail a rank this much slower than the median (default 0.10)")
+                        help="fail a rank this much slower than the median of the others "
+                        "(default 0.10)")
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="rendezvous and collective timeout")
     parser.add_argument("--json", dest="json_path", default=None, help="write the checks as JSON")
