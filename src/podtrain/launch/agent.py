@@ -90,7 +90,9 @@ def run(command: list[str]) -> int:
             launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, errors="replace")
         except OSError as exc:  # e.g. hyperpodrun not installed in the image
-            raise UserError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
+            hint = (" (a HyperPodPyTorchJob image needs pip install 'hyperpod-elastic-agent>=1.1.3')"
+                    if Path(command[0]).name == "hyperpodrun" else "")
+            raise UserError(f"cannot start {command[0]}: {exc.strerror or exc}{hint}") from None
         with AgentOutput([launcher], log_dir / f"torchrun_{socket.gethostname()}.log") as output:
             codes, received = wait_forwarding_signals([launcher])
         reports = read_reports(reports_dir)
