@@ -107,10 +107,10 @@ def read(plan: LoadPlan, store, name: str, rank: int, pool: StagingPool) -> int:
         if is_dtensor(t):
             start, count, _ = dtensor_range(tname, t)
             if count:
-                total += _read_range(plan, store, name, tname, flat_local(t), start, count, 0, pool)
+                total += _read_range(plan, store, name, tname, flat_local(t), start, count, start, pool)
     for tname, start, count in plan.plain[rank]:
         total += _read_range(plan, store, name, tname, flat_local(plan.targets.tensors[tname]),
-                             start, count, start, pool)
+                             start, count, 0, pool)
     return total
 
 
