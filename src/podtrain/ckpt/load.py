@@ -81,7 +81,7 @@ def prepare(store, name: str, manifest: dict, net: nn.Module, optimizer: torch.o
     small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
     stored = manifest.get("tensors", {})
     has_optimizer = any(k.startswith("optim/") for k in stored)
-    targets = named_state(net, optimizer, with_optimizer=has_optimizer)
+    targets = named_state(net, optimizer, with_optimizer=has_optimizer, stored=stored)
     _check_fit(where, stored, targets.tensors)
     plan = LoadPlan(where, manifest, raw, small, targets, piece_index(manifest))
     plan.plain = plain_plan(targets.tensors, world)
@@ -160,6 +160,7 @@ def finish(plan: LoadPlan, net: nn.Module, optimizer: torch.optim.Optimizer, cpu
     groups = from_plain(plan.raw.get("optimizer_values") or {}, {})
     if plan.targets.optim_sd is not None:
         plan.targets.optim_sd.update(groups)
+        plan.targets.values.update(groups)
     apply_state(net, optimizer, plan.targets)
     return {k: from_plain(v, plan.small) for k, v in plan.raw.items() if k not in ("optimizer_values", "aliases")}
 

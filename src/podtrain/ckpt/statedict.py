@@ -54,17 +54,21 @@ class NamedState:
     optim_sd: dict[str, Any] | None = None
 
 
-def named_state(net: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool | None = None) -> NamedState:
+def named_state(net: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool | None = None,
+                stored: dict[str, dict] | None = None) -> NamedState:
     """The state of ``net`` (unwrapped) and ``optimizer`` as live tensors (every rank calls).
 
     ``with_optimizer`` None: include the optimizer when it has state. An optimizer without state
     (a save before the first step) is saved as none: ``get_state_dict`` would first create its
     state with a fake step, which a resumed run would carry where an uninterrupted one has none.
-    When loading, True creates that state to be overwritten.
+    When loading, True creates that state to be overwritten: from ``stored`` (the checkpoint's
+    tensor table) when the model is not sharded, else by torch's fake step.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     include = bool(optimizer.state) if with_optimizer is None else with_optimizer
+    if include and stored and not optimizer.state and not any(is_dtensor(p) for p in net.parameters()):
+        _allocate_optimizer_state(net, optimizer, stored)
     out = NamedState(aliases=tied_aliases(net), has_optimizer=include)
     if include:
         out.model_sd, out.optim_sd = get_state_dict(net, optimizer, options=_options())
@@ -81,19 +85,57 @@ def named_state(net: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer
     return out
 
 
+def _allocate_optimizer_state(net: nn.Module, optimizer: torch.optim.Optimizer, stored: dict[str, dict]) -> None:
+    """Empty optimizer state tensors where ``Optimizer.load_state_dict`` would put them (the
+    parameter's device; a scalar ``step`` on the CPU unless fused/capturable), so that
+    ``get_state_dict`` need not run its fake step (zero gradients and the step's temporaries:
+    up to 2 x the weights of transient memory)."""
+    from podtrain.ckpt.tensorio import DTYPES
+
+    params = dict(net.named_parameters())
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, info in stored.items():
+        if not name.startswith("optim/state."):
+            continue
+        fqn, key = name[len("optim/state."):].rsplit(".", 1)
+        param = params.get(fqn)
+        if param is None or id(param) not in group_of:
+            continue
+        group = group_of[id(param)]
+        on_device = bool(info["shape"]) or group.get("fused") or group.get("capturable")
+        optimizer.state[param][key] = torch.empty(tuple(info["shape"]), dtype=DTYPES[info["dtype"]],
+                                                  device=param.device if on_device else "cpu")
+
+
 def apply_state(net: nn.Module, optimizer: torch.optim.Optimizer, state: NamedState) -> None:
-    """Hand the filled targets back to torch (``set_state_dict``; every rank calls)."""
+    """Make the filled targets the model's and optimizer's state (every rank calls).
+
+    Whole tensors were read into the live parameters and optimizer state themselves (what
+    ``get_state_dict`` returns for a module that is not sharded shares their memory), so only the
+    optimizer's per-parameter values are set; ``set_state_dict`` would copy every tensor once
+    more. Sharded (DTensor) state goes through ``set_state_dict``, which owns FSDP2's conventions.
+    """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    for alias, name in state.aliases.items():
-        if alias in state.model_sd and name in state.model_sd:
-            state.model_sd[alias] = state.model_sd[name]
+    if any(is_dtensor(t) for t in state.tensors.values()):
+        for alias, name in state.aliases.items():
+            if alias in state.model_sd and name in state.model_sd:
+                state.model_sd[alias] = state.model_sd[name]
+        if state.optim_sd is None:
+            set_model_state_dict(net, state.model_sd, options=_options())
+        else:
+            set_state_dict(net, optimizer, model_state_dict=state.model_sd,
+                           optim_state_dict=state.optim_sd, options=_options())
+    elif state.optim_sd is not None:
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        params = dict(net.named_parameters())
+        for key, value in state.values.items():
+            _, rest = key.split(".", 1)  # param_groups.<param name>.<key>
+            fqn, leaf = rest.rsplit(".", 1)
+            if key.startswith("param_groups.") and fqn in params and leaf != "params":
+                group_of[id(params[fqn])][leaf] = tuple(value) if isinstance(value, list) else value
     if state.optim_sd is None:
-        set_model_state_dict(net, state.model_sd, options=_options())
         optimizer.state.clear()  # saved before the first step: it restarts empty, as it did then
-    else:
-        set_state_dict(net, optimizer, model_state_dict=state.model_sd, optim_state_dict=state.optim_sd,
-                       options=_options())
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
