@@ -186,3 +186,26 @@ def check_tokenizer(ckpt: CheckpointData, identity: dict[str, Any], where: str |
     if vocab and int(identity.get("vocab_size", 0)) > int(vocab):
         raise UserError(f"tokenizer mismatch: {where} holds {identity.get('name')!r} with "
                         f"{identity['vocab_size']} tokens, but {ckpt.path} has a vocabulary of {vocab}")
+
+
+@dataclass
+class Verdict:
+    """Outcome of ``verify``."""
+
+    ok: bool
+    reason: str = ""
+
+
+def verify(path: str | os.PathLike) -> Verdict:
+    """Check one checkpoint directory completely, offline: manifest, sizes, every block's CRC-32
+    (reads the whole checkpoint: for tools and tests; a resume verifies only what each rank reads)."""
+    path = Path(path)
+    store = PosixStore(path.parent)
+    manifest, reason = layout.check(store, path.name)
+    if manifest is None:
+        return Verdict(False, reason)
+    try:
+        read_checkpoint(store, path.name, manifest)
+    except (CorruptCheckpoint, OSError, EOFError) as exc:
+        return Verdict(False, str(exc))
+    return Verdict(True)
