@@ -47,7 +47,7 @@ def _saver(run_dir: str, report_fd: int) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     ck = Checkpointer(Path(run_dir), CkptSection(keep_last=2, keep_every=0), _ctx())
     state = ck.restore(net, opt, None)
-    step = state["step"] if state else 0
+    step = state.step if state else 0
     os.write(report_fd, b"ready\n")
     while True:
         step += 1
@@ -85,6 +85,7 @@ def _check_choice(root: Path, durable: int) -> int:
 def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
     warm = torch.optim.AdamW(_net().parameters())  # first use imports torch._dynamo: not per child
     warm.step()
+    from torch.distributed.checkpoint import state_dict  # noqa: F401  (imported once, not per child)
     rng = random.Random(1234)
     ctx = mp.get_context("fork")
     durable, chosen = 0, []
