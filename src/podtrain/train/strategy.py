@@ -27,6 +27,7 @@ from torch import nn
 from podtrain.config_sections import DistSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
+from podtrain.plan.fit import accumulation_phrase
 from podtrain.model import build_model, decoder_layers
 from podtrain.train.precision import Precision
 from podtrain.train.replicas import buffers_need_forward_sync, ddp_buffer_arguments
@@ -173,7 +174,7 @@ class FSDPStrategy(Strategy):
         accumulate_unsharded: between micro-batches keep the weights gathered and the gradients
             unsharded and local (no reduce-scatter, no re-gather per micro-batch: faster), at the
             cost of full gradients and weights on every rank; the memory check decides
-            (``podtrain.train.preflight``).
+            (``podtrain.plan.fit.accumulates_unsharded``, as ``podtrain plan`` does).
     """
 
     sharded = True
@@ -260,8 +261,7 @@ class FSDPStrategy(Strategy):
         """``fsdp over 8 ranks`` or ``hsdp 2 x 4 (replicas x shard)``, and the accumulation mode."""
         shape = (f"over {self.mesh_shape[0]} ranks" if len(self.mesh_shape) == 1
                  else f"{self.mesh_shape[0]} x {self.mesh_shape[1]} (replicas x shard)")
-        accumulation = "unsharded" if self.accumulate_unsharded else "resharded per micro-batch"
-        return f"{self.name} {shape}, gradient accumulation {accumulation}"
+        return f"{self.name} {shape}, gradient accumulation {accumulation_phrase(self.accumulate_unsharded)}"
 
 
 def build_strategy(cfg: DistSection, ctx: DistContext, precision: Precision, seq_len: int,
