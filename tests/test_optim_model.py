@@ -8,7 +8,6 @@ import torch
 from podtrain.config_sections import OptimSection
 from podtrain.errors import UserError
 from podtrain.model import PRESETS, build_model, estimate_params, model_size, preset_config, unwrap
-from podtrain.train.preflight import check_fits
 from podtrain.train.optim import build_optimizer, lr_at
 
 
@@ -96,11 +95,20 @@ def test_unwrap_sees_through_real_ddp_and_compile_wrappers():
 
 
 def test_eight_billion_parameters_do_not_fit_one_80gb_gpu():
-    params = estimate_params(preset_config("llama-8b"))
-    with pytest.raises(UserError, match="use FSDP"):
-        check_fits(params, 80 * 2**30, "one GPU")
-    assert "FSDP" in check_fits(params, 80 * 2**30, "one GPU", policy="warn")
-    assert check_fits(estimate_params(preset_config("llama-1b")), 80 * 2**30, "one GPU") is None
+    from podtrain.config import load_config
+    from podtrain.plan.fit import Devices, check_memory
+    from podtrain.plan.shape import config_shape
+
+    gpu = Devices("one GPU", 1, 80 * 2**30, gpu=True)
+    cfg = load_config(None, ["model.preset=llama-8b", "data.seq_len=256", "train.micro_batch_size=1",
+                             "train.global_batch_size=1"])
+    shape = config_shape(preset_config("llama-8b"), 256)
+    with pytest.raises(UserError, match=r"needs 1[23]\d\.\d GiB .* add nodes \(fsdp\)"):
+        check_memory(cfg, shape, gpu, 1)
+    assert check_memory(cfg, shape, gpu, 1, policy="warn").strategy == "ddp"  # warned, not refused
+    small = load_config(None, ["model.preset=llama-1b", "data.seq_len=256", "train.micro_batch_size=1",
+                               "train.global_batch_size=1"])
+    assert check_memory(small, config_shape(preset_config("llama-1b"), 256), gpu, 1).strategy == "ddp"
 
 
 def test_config_json_path_and_bad_preset(tmp_path):
