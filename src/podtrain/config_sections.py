@@ -30,7 +30,7 @@ class ModelSection:
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, or flash_attention_2 where installed."""
     memory_check: str = "error"
-    """When params + grads + AdamW state cannot fit one device: error, warn, or off."""
+    """When the strategy's memory (state, activations, buffers, reserve: `podtrain plan`'s) cannot fit one device: error, warn, or off."""
 
 
 @dataclass
