@@ -20,8 +20,11 @@ class S3Server:
     """A started moto S3 server: ``endpoint``, the ``env`` that selects it, a boto3 client for checks."""
 
     def __init__(self):
+        import logging
+
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
