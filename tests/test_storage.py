@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -48,6 +49,7 @@ def one_line(exc: BaseException) -> str:
 def test_write_is_visible_only_after_commit(backend):
     store, _ = backend
     store.write_bytes("a/x.bin", b"old")
+    old_version = store.stat("a/x.bin").version
     with store.open_write("a/x.bin") as fh:
         fh.write(b"new ")
         fh.write(memoryview(b"content"))
@@ -57,7 +59,7 @@ def test_write_is_visible_only_after_commit(backend):
             assert not store.exists("a/y.bin")
         assert store.read_bytes("a/x.bin") == b"old"  # the old file until the new one commits
         assert [e.name for e in store.list()] == ["a/x.bin", "a/y.bin"]
-    assert store.read_bytes("a/x.bin") == b"new content"
+    assert store.read_bytes("a/x.bin") == b"new content" and store.stat("a/x.bin").version != old_version
     assert store.size("a/x.bin") == 11 and store.exists("a/x.bin")
     store.write_bytes("empty", b"")
     assert store.read_bytes("empty") == b"" and store.size("empty") == 0
@@ -127,7 +129,7 @@ def test_listing_and_deletion(backend):
         store.write_bytes(name, name.encode())
     entries = store.list()
     assert [(e.name, e.size) for e in entries] == [("a/1", 3), ("a/2", 3), ("a/b/3", 5), ("ab/4", 4), ("c", 1)]
-    assert all(e.version for e in entries)
+    assert all(e.version for e in entries) and store.stat("a/b/3") == entries[2]
     assert [e.name for e in store.list("a/")] == ["a/1", "a/2", "a/b/3"]
     assert [e.name for e in store.list("a")] == ["a/1", "a/2", "a/b/3", "ab/4"]
     assert store.list("zzz/") == []
@@ -180,6 +182,8 @@ def test_os_errors_name_the_cause():
     for code, (cls, words) in cases.items():
         err = from_os_error("/fsx/ckpt/x", OSError(code, os.strerror(code)))
         assert type(err) is cls and one_line(err) == f"/fsx/ckpt/x: {err.cause}" and words in err.cause
+        again = pickle.loads(pickle.dumps(err))  # errors cross process boundaries between ranks
+        assert type(again) is cls and str(again) == str(err)
 
 
 def test_s3_messages_are_classified_and_scrubbed(monkeypatch):

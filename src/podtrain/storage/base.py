@@ -93,8 +93,13 @@ class Store(abc.ABC):
 
     # reads ------------------------------------------------------------------------------------
     @abc.abstractmethod
+    def stat(self, name: str) -> Entry:
+        """Size and version of the file ``name`` (``NotFound`` if it does not exist); the version
+        changes whenever the file is rewritten (a cache of it is stale when it differs)."""
+
     def size(self, name: str) -> int:
         """Bytes in ``name`` (``NotFound`` if it does not exist)."""
+        return self.stat(name).size
 
     def exists(self, name: str) -> bool:
         """Whether the file ``name`` exists."""

@@ -22,6 +22,10 @@ class StorageError(UserError):
         self.cause = scrub(" ".join(str(cause).split()))
         super().__init__(f"{scrub(url)}: {self.cause}")
 
+    def __reduce__(self):
+        # rebuilt from (url, cause), not from the message: ranks pass exceptions through pickle
+        return type(self), (self.url, self.cause)
+
 
 class NotFound(StorageError):
     """The file, object or bucket does not exist."""

@@ -91,15 +91,15 @@ class PosixStore(Store):
         """The real path of ``name`` (whether or not it exists yet)."""
         return self._path(name)
 
-    def size(self, name: str) -> int:
-        """Bytes in ``name``."""
+    def stat(self, name: str) -> Entry:
+        """Size and mtime (ns) of ``name``."""
         try:
             st = os.stat(self._path(name))
         except OSError as exc:
             raise from_os_error(self.where(name), exc) from None
         if not stat.S_ISREG(st.st_mode):
             raise NotFound(self.where(name), "not a file")
-        return st.st_size
+        return Entry(name, st.st_size, str(st.st_mtime_ns))
 
     def exists(self, name: str) -> bool:
         """Whether the file ``name`` exists."""

@@ -162,11 +162,12 @@ class S3Store(Store):
             self._bucket_checked = True
         return err
 
-    def size(self, name: str) -> int:
-        """Bytes in ``name`` (a HEAD request)."""
+    def stat(self, name: str) -> Entry:
+        """Size and ETag of ``name`` (a HEAD request)."""
         key = self.loc.key(self.check_name(name))
         try:
-            return self.call(self.where(name), lambda: self.client.head_object(self.loc.bucket, key)).size
+            head = self.call(self.where(name), lambda: self.client.head_object(self.loc.bucket, key))
+            return Entry(name, head.size, head.etag)
         except NotFound as err:
             raise self._not_found(name, err) from None
 
