@@ -1,6 +1,6 @@
 """podtrain.storage throughput against the plain ways of moving the same bytes, side by side in one run.
 
-    .venv/bin/python bench/storage_throughput.py [--mib 32] [--files 4] [--rounds 3] [--dir DIR]
+    .venv/bin/python bench/storage_throughput.py [--mib 32] [--files 4] [--rounds 5] [--dir DIR]
 
 S3 (a local moto server on loopback, started here; needs the `test` extra):
   write: podtrain's store (``open_write``: multipart, aborted on failure) against s3torchconnector's
@@ -138,7 +138,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=32, help="MiB per file")
     ap.add_argument("--files", type=int, default=4, help="files per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="POSIX directory (default: a temporary one)")
     ap.add_argument("--only", choices=["posix", "s3"], default=None, help="run one half")
     args = ap.parse_args()
