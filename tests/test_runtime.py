@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 # Imported once here, not in each forked rank or timed test (DTensor and transformers take seconds).
+import torch._dynamo  # noqa: F401  (train.compile)
 import torch.distributed.fsdp  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
@@ -185,3 +186,40 @@ def test_start_up_line_records_tf32_and_the_allocator_mocked_gpu(monkeypatch):
     assert calls == ["high"]
     monkeypatch.setattr(gpu_defaults, "accelerator_capability", lambda device: None)  # the real CPU
     assert gpu_defaults.apply_gpu_defaults("fp32", CPU, env) == ""
+
+
+def test_compile_wraps_each_decoder_block_before_ddp_and_fully_shard(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+    from transformers import LlamaConfig
+
+    from podtrain.config_sections import DistSection
+    from podtrain.launch.local import free_port
+    from podtrain.train.strategy import build_for_strategy, build_strategy
+
+    real_fully_shard, seen = fsdp.fully_shard, []
+
+    def spy(module, **kwargs):  # was the module compiled when FSDP wrapped it?
+        seen.append(module._compiled_call_impl is not None)
+        return real_fully_shard(module, **kwargs)
+
+    monkeypatch.setattr(fsdp, "fully_shard", spy)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=64, max_position_embeddings=64, use_cache=False)
+    env = ClusterEnv.detect({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    monkeypatch.setenv("MASTER_ADDR", env.master_addr)
+    monkeypatch.setenv("MASTER_PORT", str(env.master_port))
+    with process_group(env, "gloo") as ctx:  # a real group of one: the wrappers need one
+        for name in ("ddp", "fsdp"):
+            model, reference = build_for_strategy(config, "eager", 0, name, ctx)
+            names = [n for n, _ in model.named_parameters()]
+            strategy = build_strategy(DistSection(strategy=name), ctx, Precision("fp32", "cpu"), 16,
+                                      compile_blocks=True)
+            wrapped = strategy.wrap(model, reference)
+            layers = model.model.layers
+            assert [layer._compiled_call_impl is not None for layer in layers] == [True, True]
+            assert model._compiled_call_impl is None and wrapped is not None
+            assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their names
+            assert strategy.describe().endswith("torch.compile per decoder block (2)")
+            strategy.release()
+    assert seen == [True, True, False]  # fsdp: each block compiled before fully_shard; the root not
