@@ -162,7 +162,7 @@ def test_tf32_only_for_fp32_on_ampere_or_newer_mocked_gpu(precision, capability,
     assert gpu_defaults.tf32_wanted(precision, capability, env) is expected
 
 
-def test_expandable_segments_unless_the_user_set_them():
+def test_expandable_segments_unless_the_user_set_them_mocked_gpu():
     assert gpu_defaults.allocator_update({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert gpu_defaults.allocator_update({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == \
         {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}
@@ -171,7 +171,9 @@ def test_expandable_segments_unless_the_user_set_them():
     for theirs in ("expandable_segments:False", "backend:cudaMallocAsync"):
         assert gpu_defaults.allocator_update({"PYTORCH_CUDA_ALLOC_CONF": theirs}) == {}
     env = {}
-    gpu_defaults.set_allocator_default(env)
+    gpu_defaults.set_allocator_default(env, gpu=False)  # the CPU: nothing to set
+    assert env == {} and gpu_defaults.allocator_phrase(env) == "allocator defaults"
+    gpu_defaults.set_allocator_default(env, gpu=True)  # mocked GPU
     assert gpu_defaults.allocator_phrase(env) == "allocator expandable_segments:True"
 
 

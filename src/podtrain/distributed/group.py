@@ -32,6 +32,11 @@ def accelerator_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def accelerator_available() -> bool:
+    """True when this machine has a CUDA GPU torch can use (no CUDA context is created)."""
+    return torch.cuda.is_available()
+
+
 def accelerator_capability(device: torch.device) -> tuple[int, int] | None:
     """The GPU's compute capability (8, 0 for an A100; 9, 0 for an H100), or None on the CPU."""
     return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None

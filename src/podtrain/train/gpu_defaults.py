@@ -23,7 +23,7 @@ from typing import Mapping, MutableMapping
 import torch
 from torch import nn
 
-from podtrain.distributed.group import accelerator_capability
+from podtrain.distributed.group import accelerator_available, accelerator_capability
 from podtrain.model import decoder_layers
 
 # torch reads PYTORCH_CUDA_ALLOC_CONF first and PYTORCH_ALLOC_CONF (the newer, device-generic
@@ -43,11 +43,12 @@ def allocator_update(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: f"{current},{EXPANDABLE}" if current else EXPANDABLE}
 
 
-def set_allocator_default(environ: MutableMapping[str, str] | None = None) -> None:
-    """Apply ``allocator_update`` (before CUDA initialises: torch reads the variable once, at its
-    first allocation on the device). Harmless on the CPU: only the CUDA allocator reads it."""
-    environ = os.environ if environ is None else environ
-    environ.update(allocator_update(environ))
+def set_allocator_default(environ: MutableMapping[str, str] | None = None, gpu: bool | None = None) -> None:
+    """Apply ``allocator_update`` where there is a GPU (``gpu``: default, whether one is visible),
+    before CUDA initialises: torch reads the variable once, at its first allocation on the device."""
+    if gpu if gpu is not None else accelerator_available():
+        environ = os.environ if environ is None else environ
+        environ.update(allocator_update(environ))
 
 
 def allocator_phrase(environ: Mapping[str, str]) -> str:
