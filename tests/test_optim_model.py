@@ -50,7 +50,11 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     assert all(p.ndim == 2 for p in decay["params"])
     assert not any("wte" in n or "wpe" in n or ".ln_" in n or "bias" in n for n in decayed)
     assert "transformer.h.0.attn.c_attn.weight" in decayed
-    assert opt.defaults.get("fused") or opt.defaults.get("foreach")
+    # Exactly the implementation chosen for this device: fused AdamW exists on the CPU since torch 2.4
+    # (below the floor), so auto must pick it; foreach only when asked.
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    foreach = build_optimizer(model, OptimSection(implementation="foreach"), torch.device("cpu"))
+    assert foreach.defaults["foreach"] is True and not foreach.defaults["fused"]
 
 
 @pytest.mark.parametrize("preset, millions", [("tiny", 1.8), ("gpt2-124m", 124.4), ("qwen2.5-0.5b", 494.0),
