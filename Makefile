@@ -40,6 +40,7 @@ bench: install
 	$(PY) bench/prepare_throughput.py
 	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/checkpoint_memory.py
+	$(PY) bench/storage_throughput.py
 	$(PY) bench/collectives_overhead.py
 	$(PY) bench/fsdp_memory.py
 
