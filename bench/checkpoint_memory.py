@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from podtrain.ckpt import layout  # noqa: E402
 from podtrain.ckpt.checkpointer import Checkpointer  # noqa: E402
 from podtrain.ckpt.reader import load_weights, read_checkpoint  # noqa: E402
-from podtrain.ckpt.store import PosixStore  # noqa: E402
+from podtrain.ckpt.store import open_store  # noqa: E402
 from podtrain.config_sections import CkptSection  # noqa: E402
 from podtrain.distributed.env import ClusterEnv  # noqa: E402
 from podtrain.distributed.group import DistContext  # noqa: E402
@@ -157,7 +157,7 @@ def run_load(preset: str, run_dir: str, whole: bool, out) -> None:
     release_free_heap()
     if whole:
         def load():
-            store = PosixStore(Path(run_dir) / layout.CKPT_SUBDIR)
+            store = open_store(str(Path(run_dir) / layout.CKPT_SUBDIR))
             choice = layout.find_latest(store)
             data = read_checkpoint(store, choice.name, choice.manifest)  # every tensor whole
             load_weights(model, data.model_state, data.path)

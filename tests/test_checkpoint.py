@@ -190,12 +190,12 @@ def test_partial_directories_are_never_chosen(tmp_path):
     step2 = weights(model)
     save_sync(tmp_path, 2, model, opt)
     root = tmp_path / "ckpt"
-    # A temporary file as a killed write leaves it ...
-    tmp_file = root / ".tmp-latest-deadbeef"
-    tmp_file.write_text("step_000003")
-    # ... and a step directory whose manifest never got written, with `latest` pointing at it.
+    # A step directory whose manifest never got written, with `latest` pointing at it, and the
+    # temporary file of a writer killed mid-file in it.
     partial = root / "step_000004"
     partial.mkdir()
+    tmp_file = partial / ".rank_00001.safetensors.k1ll.tmp"
+    tmp_file.write_bytes(b"half a file")
     for f in (root / "step_000002").iterdir():
         if f.name != "manifest.json":
             (partial / f.name).write_bytes(f.read_bytes())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from podtrain.ckpt import layout
-from podtrain.ckpt.store import PosixStore
+from podtrain.storage.posix import PosixStore
 from podtrain.ckpt.interval import SaveSchedule, young_daly_seconds
 from podtrain.ckpt.tensorio import read_safetensors
 from podtrain.cli import main
@@ -239,7 +239,7 @@ def test_goodput_line_counts_the_steps_redone_after_a_kill(capsys, data, tmp_pat
     run = tmp_path / "run"
     assert train(capsys, data, run, "train.steps=5", "ckpt.every=2")[0] == 0
     # "Kill" after step 5 was logged but only step 4 was checkpointed: the newest checkpoint goes.
-    PosixStore(run / "ckpt").delete_prefix(layout.step_name(5))
+    PosixStore(str(run / "ckpt")).delete_prefix(layout.step_name(5) + "/")
     (run / "ckpt" / "latest").write_text(layout.step_name(4))
     code, _, out = train(capsys, data, run, "train.steps=7", "ckpt.every=2", "optim.schedule=wsd")
     assert code == 0

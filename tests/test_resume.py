@@ -23,7 +23,7 @@ from torch import nn
 from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.reader import load_latest_weights, read_checkpoint, verify
-from podtrain.ckpt.store import PosixStore
+from podtrain.storage.posix import PosixStore
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext
@@ -67,7 +67,7 @@ def _check_choice(root: Path, durable: int) -> int:
     """The resume choice is complete and consistent, and no older than the last durable save."""
     for _, path in layout.list_checkpoints(root):  # a committed step only ever holds a whole one
         assert verify(path).ok, f"{path} has a manifest but is not complete"
-    store = PosixStore(root)
+    store = PosixStore(str(root))
     choice = layout.find_latest(store)
     if choice.name is None:
         assert durable == 0

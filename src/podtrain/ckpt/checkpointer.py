@@ -47,7 +47,7 @@ from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
 from podtrain.ckpt.statedict import is_dtensor, local_pieces, named_state
-from podtrain.ckpt.store import PosixStore, open_store
+from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import CorruptCheckpoint
 from podtrain.ckpt.writer import CheckpointWriter, SaveFailed, SaveJob, tensor_table
 from podtrain.config_sections import CkptSection
@@ -84,7 +84,7 @@ class Checkpointer:
         """Every rank constructs one (it creates the background gloo group collectively).
         ``store``: where checkpoints live (default ``RUN_DIR/ckpt``; see ``podtrain.ckpt.store``)."""
         self.run_dir = Path(run_dir)
-        self.store = store if store is not None else open_store(self.run_dir / layout.CKPT_SUBDIR)
+        self.store = store if store is not None else open_store(str(self.run_dir / layout.CKPT_SUBDIR))
         self.cfg = cfg
         self.ctx = ctx
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
@@ -131,7 +131,7 @@ class Checkpointer:
             failed.add(choice["name"])
 
     def _store_of(self, choice: dict) -> Any:
-        return self.store if choice["root"] is None else PosixStore(choice["root"])
+        return self.store if choice["root"] is None else open_store(choice["root"])
 
     def _load(self, choice: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler | None, check: Callable | None) -> ResumeState | None:
@@ -147,7 +147,7 @@ class Checkpointer:
         problem = None
         try:
             self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
-        except (CorruptCheckpoint, OSError, EOFError) as exc:
+        except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         reports = self.ctx.all_gather_object(problem)
         bad = [(r, p) for r, p in enumerate(reports) if p]
@@ -186,7 +186,7 @@ class Checkpointer:
             return None
         if resume != "auto":
             store, name = _explicit(resume)
-            root = str(store.root)
+            root = store.url
             if name is not None:
                 manifest, reason = layout.check(store, name)
                 if manifest is None:
@@ -335,14 +335,14 @@ class Checkpointer:
             self._pool.close()
 
 
-def _explicit(resume: str) -> tuple[PosixStore, str | None]:
+def _explicit(resume: str) -> tuple[Any, str | None]:
     """``ckpt.resume=PATH``: a checkpoint directory (store = its parent, name) or a run/ckpt
     directory holding checkpoints (store, None)."""
     path = Path(resume)
     if (path / layout.MANIFEST).is_file():
-        return PosixStore(path.parent), path.name
+        return open_store(str(path.parent)), path.name
     for candidate in (path / layout.CKPT_SUBDIR, path):
-        if layout.committed_steps(PosixStore(candidate)):
-            return PosixStore(candidate), None
+        if layout.committed_steps(open_store(str(candidate))):
+            return open_store(str(candidate)), None
     raise UserError(f"ckpt.resume={resume}: neither a checkpoint directory (with {layout.MANIFEST}) "
                     "nor a run directory holding checkpoints")

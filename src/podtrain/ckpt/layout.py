@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from podtrain.ckpt.store import TMP_MARK, PosixStore
+from podtrain.ckpt.store import NotFound, open_store
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -80,7 +80,7 @@ def committed_steps(store) -> list[tuple[int, str]]:
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of every committed checkpoint under the directory ``root``, oldest first."""
-    return [(step, Path(root) / name) for step, name in committed_steps(PosixStore(root))]
+    return [(step, Path(root) / name) for step, name in committed_steps(open_store(str(root)))]
 
 
 class UnsafeCheckpoint(UserError):
@@ -90,9 +90,9 @@ class UnsafeCheckpoint(UserError):
 def refuse_pickles(store, name: str) -> None:
     """Raise ``UnsafeCheckpoint`` when checkpoint ``name`` holds a pickle / torch.save file (only
     the first bytes of files other than .safetensors/.json are read, never unpickled)."""
-    for entry in store.list(name):
+    for entry in store.list(name + "/"):
         rel = entry.name[len(name) + 1:]
-        if _ALLOWED.match(rel) or TMP_MARK in rel:
+        if _ALLOWED.match(rel):
             continue
         head = store.read_range(entry.name, 0, min(4, entry.size)) if entry.size else b""
         if os.path.splitext(rel)[1].lower() in _PICKLE_SUFFIXES or head.startswith(_PICKLE_MAGIC):
@@ -106,7 +106,7 @@ def read_manifest(store, name: str) -> dict[str, Any]:
     damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it."""
     try:
         raw = store.read_bytes(f"{name}/{MANIFEST}")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotFound):
         raise ValueError("no manifest.json (the save did not finish)") from None
     try:
         manifest = json.loads(raw)
@@ -128,7 +128,7 @@ def read_manifest(store, name: str) -> dict[str, Any]:
 
 def size_problem(store, name: str, manifest: dict[str, Any]) -> str | None:
     """What is wrong with the sizes of the files the manifest lists (one listing, no data read)."""
-    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name)}
+    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
     for rel, rec in manifest["files"].items():
         if rel not in sizes:
             return f"{rel} is missing"
@@ -193,13 +193,9 @@ def clean_stale(store) -> list[str]:
     """Remove unfinished saves (step directories without a manifest) and temporary leftovers."""
     removed = []
     for name in store.list_dirs(""):
-        if name.startswith(TMP_MARK) or (parse_step(name) is not None and not store.exists(f"{name}/{MANIFEST}")):
-            store.delete_prefix(name)
+        if parse_step(name) is not None and not store.exists(f"{name}/{MANIFEST}"):
+            store.delete_prefix(name + "/")  # temporaries of its killed writers included
             removed.append(name)
-    for entry in store.list(""):
-        if TMP_MARK in entry.name:
-            store.delete(entry.name)
-            removed.append(entry.name)
     return removed
 
 
@@ -230,7 +226,7 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int) -> Non
         if src is None:
             log.warning("deleting %s/%s (newer than this run's step %d, from an earlier timeline)",
                         store.url, step_name(step), current)
-            store.delete_prefix(step_name(step))
+            store.delete_prefix(step_name(step) + "/")
             continue
         dst = src.parent / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
         dst.parent.mkdir(exist_ok=True)
@@ -238,7 +234,7 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int) -> Non
                     src, current, dst)
         os.rename(src, dst)
     for step in delete:
-        store.delete_prefix(step_name(step))
+        store.delete_prefix(step_name(step) + "/")
 
 
 def write_latest(store, name: str) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 from podtrain.ckpt import layout
 from podtrain.ckpt.load import piece_index, read_small
 from podtrain.ckpt.state import from_plain
-from podtrain.ckpt.store import PosixStore
+from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, verify_blocks
 from podtrain.errors import UserError
 
@@ -118,7 +118,7 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
-    store = PosixStore(run_dir / layout.CKPT_SUBDIR)
+    store = open_store(str(run_dir / layout.CKPT_SUBDIR))
     choice = layout.find_latest(store)
     if choice.name is None:
         raise UserError(f"run directory {run_dir} has no complete checkpoint under "
@@ -200,12 +200,12 @@ def verify(path: str | os.PathLike) -> Verdict:
     """Check one checkpoint directory completely, offline: manifest, sizes, every block's CRC-32
     (reads the whole checkpoint: for tools and tests; a resume verifies only what each rank reads)."""
     path = Path(path)
-    store = PosixStore(path.parent)
+    store = open_store(str(path.parent))
     manifest, reason = layout.check(store, path.name)
     if manifest is None:
         return Verdict(False, reason)
     try:
         read_checkpoint(store, path.name, manifest)
-    except (CorruptCheckpoint, OSError, EOFError) as exc:
+    except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
         return Verdict(False, str(exc))
     return Verdict(True)

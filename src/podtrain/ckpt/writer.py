@@ -152,7 +152,7 @@ class CheckpointWriter:
             if error is None:
                 error = self._outcome(self._commit, job, name, rngs, [r for _, r in reports])
             if error is not None:
-                self._outcome(self.store.delete_prefix, name)  # no half-written checkpoint stays
+                self._outcome(self.store.delete_prefix, name + "/")  # no half-written checkpoint stays
         error = self._broadcast(error)
         if error is not None:
             user, message = error
@@ -164,14 +164,14 @@ class CheckpointWriter:
             fn(*args)
             return None
         except Exception as exc:
-            user = isinstance(exc, (OSError, UserError))
+            user = isinstance(exc, (OSError, UserError))  # storage errors are UserErrors
             if not user:
                 log.exception("checkpoint writer on rank %d failed", self.ctx.rank)
             return user, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
 
     def _prepare(self, name: str) -> None:
-        if self.store.exists(name):  # the same step saved by an earlier timeline, or a killed save
-            self.store.delete_prefix(name)
+        # The same step saved by an earlier timeline, or a killed save: gone before anyone writes.
+        self.store.delete_prefix(name + "/")
 
     def _write_own(self, job: SaveJob, name: str, out: dict) -> None:
         """This rank's piece file, streamed from the staging slabs, block CRCs in the same pass."""
