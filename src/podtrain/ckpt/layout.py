@@ -199,6 +199,13 @@ def clean_stale(store) -> list[str]:
     return removed
 
 
+def remove(store, name: str) -> None:
+    """Delete checkpoint ``name``: its manifest first, so that a kill mid-way (a store deletes file
+    by file) leaves an unfinished save, never a committed checkpoint with files missing."""
+    store.delete(f"{name}/{MANIFEST}")
+    store.delete_prefix(name + "/")
+
+
 def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: int) -> tuple[list[int], list[int]]:
     """Which complete checkpoints to delete and which to move aside, after saving ``current``.
 
@@ -226,7 +233,7 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int) -> Non
         if src is None:
             log.warning("deleting %s/%s (newer than this run's step %d, from an earlier timeline)",
                         store.url, step_name(step), current)
-            store.delete_prefix(step_name(step) + "/")
+            remove(store, step_name(step))
             continue
         dst = src.parent / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
         dst.parent.mkdir(exist_ok=True)
@@ -234,7 +241,7 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int) -> Non
                     src, current, dst)
         os.rename(src, dst)
     for step in delete:
-        store.delete_prefix(step_name(step) + "/")
+        remove(store, step_name(step))
 
 
 def write_latest(store, name: str) -> None:

@@ -152,7 +152,7 @@ class CheckpointWriter:
             if error is None:
                 error = self._outcome(self._commit, job, name, rngs, [r for _, r in reports])
             if error is not None:
-                self._outcome(self.store.delete_prefix, name + "/")  # no half-written checkpoint stays
+                self._outcome(layout.remove, self.store, name)  # no half-written checkpoint stays
         error = self._broadcast(error)
         if error is not None:
             user, message = error
@@ -171,7 +171,7 @@ class CheckpointWriter:
 
     def _prepare(self, name: str) -> None:
         # The same step saved by an earlier timeline, or a killed save: gone before anyone writes.
-        self.store.delete_prefix(name + "/")
+        layout.remove(self.store, name)
 
     def _write_own(self, job: SaveJob, name: str, out: dict) -> None:
         """This rank's piece file, streamed from the staging slabs, block CRCs in the same pass."""
