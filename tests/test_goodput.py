@@ -16,7 +16,7 @@ import torch
 from podtrain.ckpt import layout
 from podtrain.storage.posix import PosixStore
 from podtrain.ckpt.interval import SaveSchedule, young_daly_seconds
-from podtrain.ckpt.tensorio import read_safetensors
+from podtrain.ckpt.reader import read_checkpoint
 from podtrain.cli import main
 from podtrain.config import load_config
 from podtrain.config_sections import CkptSection
@@ -102,15 +102,15 @@ def _replica_check_after_restore(rank, world, run_dir, data, repo):
 
     os.chdir(repo)
     if rank == 1:  # this rank's view of the storage serves other weights (a stale cache)
-        real = checkpointer.load_into
+        real = checkpointer.finish
 
-        def stale(path, manifest, net, *a, **kw):
-            state = real(path, manifest, net, *a, **kw)
+        def stale(plan, net, *a, **kw):
+            state = real(plan, net, *a, **kw)
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(1e-3)
             return state
-        checkpointer.load_into = stale
+        checkpointer.finish = stale
     cfg = load_config("configs/demo.yaml", [f"data.path={data}", f"run.dir={run_dir}", *BASE,
                                             "train.global_batch_size=4", "train.steps=3"])
     try:
@@ -150,8 +150,10 @@ def test_absurd_lr_never_writes_a_non_finite_checkpoint(capsys, data, tmp_path, 
     assert "non-finite or spiking gradients" in err[0] and "their samples:" in err[0], err
     checkpoints = layout.list_checkpoints(run / "ckpt")
     assert checkpoints, "the run should have saved before its weights went bad"
+    store = PosixStore(str(run / "ckpt"))
     for _, path in checkpoints:
-        for name, t in read_safetensors(path / "model.safetensors").items():
+        data = read_checkpoint(store, path.name, layout.read_manifest(store, path.name))
+        for name, t in data.model_state.items():
             assert torch.isfinite(t).all(), f"{path.name}/{name} holds non-finite weights"
     skips = [json.loads(line) for line in (run / "skipped.jsonl").read_text().splitlines()]
     assert len(skips) == 1 and skips[0]["sample_ids"] and skips[0]["end"] > skips[0]["start"]
