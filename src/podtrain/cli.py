@@ -23,6 +23,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("launch", "k8s"): ("podtrain.launch.k8s", "write a Kubernetes PyTorchJob manifest"),
     ("sample",): ("podtrain.sample", "generate text from a run's latest weights"),
     ("export",): ("podtrain.export", "write a Hugging Face model folder from a run"),
+    ("eval",): ("podtrain.eval.cli", "lm-eval tasks on a run's checkpoint or an exported folder"),
     ("plot",): ("podtrain.observe.plot", "draw runs' curves (loss, lr, throughput) to PNG or HTML"),
     ("bench", "collectives"): ("podtrain.diagnostics.collectives", "measure collectives' bandwidth"),
     ("doctor",): ("podtrain.diagnostics.doctor", "preflight checks of a cluster before a long run"),
