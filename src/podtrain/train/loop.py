@@ -41,7 +41,7 @@ from podtrain.observe.hardware import max_memory_bytes, peak_flops
 from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
-from podtrain.train.evaluate import evaluate
+from podtrain.train.evaluations import Evaluations, describe
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.guard import Guard, StepJudge, weights_finite
@@ -84,12 +84,14 @@ class TrainResult:
         exit_code: 0 when finished, the requeue code when stopped by a signal.
         final_loss: last logged training loss (token-weighted over ranks), or None.
         val_loss: last validation loss, or None.
+        val_bpb: last validation bits per byte, or None.
     """
 
     step: int
     exit_code: int = 0
     final_loss: float | None = None
     val_loss: float | None = None
+    val_bpb: float | None = None
 
 
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
@@ -124,7 +126,7 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
-        self.val_index = None
+        self.evals: Evaluations | None = None
         self.accum = 1
         self.accumulate_unsharded = True
         self.precision = None
@@ -198,7 +200,7 @@ class Trainer:
             cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
-        self.val_index = checked.val_index
+        self.evals = Evaluations(cfg.eval, checked.val_index, checked.manifest, cfg.train.micro_batch_size)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
                                                         cfg.run.seed, cfg.dist.strategy, ctx)
@@ -295,8 +297,8 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-            if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self.goodput.add("eval", self._evaluate()))
+            if self.evals.due(self.step, last):
+                interval.exclude(self.goodput.add("eval", self._evaluate(last)))
             if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self.stop_signal.drain()
@@ -317,10 +319,11 @@ class Trainer:
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
-        val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
+        val = (f"{self.result.val_loss:.4f} nats ({self.result.val_bpb:.4f} bits/byte)"
+               if self.result.val_loss is not None else "n/a")
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f}, validation loss {val} nats | unigram entropy of the "
+            f"{self.result.final_loss:.4f}, validation loss {val} | unigram entropy of the "
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
@@ -360,16 +363,15 @@ class Trainer:
                               {"step": self.step, "excess": report["straggler_excess"],
                                "busy_by_rank": report["busy_by_rank"]})
 
-    def _evaluate(self) -> float:
-        t0 = time.perf_counter()
-        val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
-                       self.cfg.eval.max_batches, self.stepper.precision)
-        self.result.val_loss = val
-        record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
-                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time()}
-        self.metrics.write(record)
-        self.progress.note(f"step {self.step}: validation loss {val:.4f}")
-        return time.perf_counter() - t0
+    def _evaluate(self, last: bool) -> float:
+        """Validation and lm-eval tasks (``train/evaluations.py``); their batches beat the watchdog."""
+        record = self.evals.run(self.step, last, self.model, self.ctx, self.stepper.precision, self.watchdog)
+        if "val_loss" in record:
+            self.result.val_loss, self.result.val_bpb = record["val_loss"], record["val_bpb"]
+        self.metrics.write({"kind": "eval", "step": self.step, **record, "tokens_seen": self.tokens_seen,
+                            "run_id": self.run_id, "time": time.time()})
+        self.progress.note(f"step {self.step}: {describe(record)}")
+        return record["eval_s"]
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
