@@ -116,7 +116,7 @@ def _score_shared(model: nn.Module, ctx: Sequence[int], conts: list[Sequence[int
     past = None
     with autocast():
         if len(ctx) > 1:
-            past = _forward(model, torch.tensor([list(ctx[:-1])], device=device), None).past_key_values
+            past = _cache_of(_forward(model, torch.tensor([list(ctx[:-1])], device=device), None))
     out = []
     for start in range(0, len(conts), batch_size):
         chunk = conts[start:start + batch_size]
@@ -150,6 +150,12 @@ def _cache_arg(module: nn.Module, past: Any) -> dict[str, Any]:
 
     names = inspect.signature(module.forward).parameters
     return {"cache": past} if "cache" in names else {"past_key_values": past}
+
+
+def _cache_of(output: Any) -> Any:
+    """The KV cache a forward returned (``cache`` from transformers 5.x, ``past_key_values`` before)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
 
 
 def _continuation_scores(model: nn.Module, inputs: torch.Tensor, past: Any,
@@ -198,7 +204,7 @@ def greedy_until(model: nn.Module, ids: Sequence[int], decode: Callable[[list[in
     for _ in range(max_new_tokens):
         with autocast():
             out = model(input_ids=step_input, use_cache=True, **_cache_arg(model, past))
-        past = out.past_key_values
+        past = _cache_of(out)
         token = int(out.logits[0, -1].argmax())
         if token == eos_id:
             break
