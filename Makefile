@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/train_throughput.py
 	$(PY) bench/loader_throughput.py
 	$(PY) bench/prepare_throughput.py
+	$(PY) bench/prepare_scale.py
 	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/checkpoint_memory.py
 	$(PY) bench/collectives_overhead.py

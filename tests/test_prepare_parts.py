@@ -79,6 +79,7 @@ def test_merge_refuses_missing_duplicate_and_mismatched_parts(tmp_path, capsys):
 
     assert "d: no such directory (the --out of the parts)" in merge_err()
     out.mkdir()
+    (out / "train_00000.bin").write_bytes(b"\0\0")  # a one-shot run's shard: stale once parts are merged
     assert "no parts to merge" in merge_err()
     prep.prepare(opts([tmp_path / "c"], out, num_parts=2, part=0))
     assert "part 1 of 2 has not finished" in merge_err() and not (out / "manifest.json").exists()
@@ -97,6 +98,7 @@ def test_merge_refuses_missing_duplicate_and_mismatched_parts(tmp_path, capsys):
     prep.prepare(opts([tmp_path / "c"], out, num_parts=2, part=1))
     assert cli.main(["prepare", "merge", str(out)]) == 0
     assert read_manifest(out).raw["splits"]["train"]["documents"] > 0
+    assert not (out / "train_00000.bin").exists()
 
 
 def test_part_comes_from_slurm_and_bpe_parts_need_the_trained_tokenizer(tmp_path, capsys):

@@ -21,7 +21,7 @@ import numpy as np
 from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare.parts import PART_RE, part_name
 from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty, lock_dir
-from podtrain.data.prepare.shards import PARTS_DIR
+from podtrain.data.prepare.shards import PARTS_DIR, SHARD_RE
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_bytes, atomic_write_text
 
@@ -145,6 +145,9 @@ def merge(out: Path) -> dict[str, Any]:
             target = out / name
             if not target.is_file() or target.read_bytes() != blob:
                 atomic_write_bytes(target, blob)
+        for stale in out.iterdir():  # a one-shot run's shards, made stale by the parts
+            if SHARD_RE.match(stale.name):
+                stale.unlink()
         atomic_write_text(out / MANIFEST_NAME, json.dumps(merged, indent=1) + "\n")
     finally:
         os.close(lock)
