@@ -191,8 +191,8 @@ def _reuse_or_setup(out: Path, key: str, state: dict[str, Any] | None, opts: Pre
 def run_key(sources: list[Source], opts: PrepareOptions, tokenizer_sha: str | None,
             val_doc: str | None = None) -> str:
     """Fingerprint of the inputs (name, path, size, mtime) and the options that shape the shards."""
-    desc: dict[str, Any] = {"sources": [[s.input, s.name, os.path.abspath(s.path), s.kind, s.size, s.mtime_ns]
-                                        for s in sources],
+    desc: dict[str, Any] = {"sources": [[s.input, s.name, s.where(), s.kind, s.size, s.mtime_ns]
+                                        + ([s.version] if s.version else []) for s in sources],
                             "options": opts.key_fields(), "tokenizer_file_sha256": tokenizer_sha}
     if val_doc is not None:  # only then: keys of existing data directories stay valid
         desc["val_doc"] = val_doc
