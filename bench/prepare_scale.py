@@ -55,11 +55,25 @@ def build_corpus(root: Path, mb: float, files: int) -> float:
     return total / 1e6
 
 
+def cpu_children() -> float:
+    """CPU seconds of every reaped child process (and what they reaped) so far."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def run(cmd: list[str]) -> float:
     """Seconds of one command (which must succeed)."""
     t0 = time.perf_counter()
     subprocess.run(cmd, env=ENV, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
+
+
+def timed_cpu(fn, best: dict[str, float], label: str) -> None:
+    """Keep the best wall and the best CPU seconds (children's) of ``fn`` under ``label``."""
+    c0 = cpu_children()
+    wall = fn()
+    best[label] = min(best.get(label, float("inf")), wall)
+    best[label + "_cpu"] = min(best.get(label + "_cpu", float("inf")), cpu_children() - c0)
 
 
 DATATROVE_CHILD = """
@@ -97,34 +111,29 @@ def compare_datatrove(work: Path, corpus: Path, tok: Path, mb: float, workers: i
     """(a): podtrain prepare vs datatrove's DocumentTokenizer, same corpus, tokenizer and workers."""
     child = work / "datatrove_child.py"
     child.write_text(DATATROVE_CHILD)
-    best = {"datatrove": float("inf"), "podtrain": float("inf")}
+    best: dict[str, float] = {}
     for _ in range(repeats):
         for d in ("dt_out", "dt_logs", "pt_out"):
             shutil.rmtree(work / d, ignore_errors=True)
-        best["datatrove"] = min(best["datatrove"], run([sys.executable, str(child), str(corpus),
-                                                         str(work / "dt_out"), str(work / "dt_logs"),
-                                                         str(tok), str(workers)]))
-        best["podtrain"] = min(best["podtrain"], run(PODTRAIN + [
-            "prepare", str(corpus), "--out", str(work / "pt_out"), "--tokenizer", str(tok),
-            "--workers", str(workers), "--no-progress"]))
+        timed_cpu(lambda: run([sys.executable, str(child), str(corpus), str(work / "dt_out"),
+                               str(work / "dt_logs"), str(tok), str(workers)]), best, "datatrove")
+        timed_cpu(lambda: run(PODTRAIN + ["prepare", str(corpus), "--out", str(work / "pt_out"), "--tokenizer",
+                                          str(tok), "--workers", str(workers), "--no-progress"]), best, "podtrain")
     n_dt, n_pt = datatrove_tokens(work / "dt_out"), podtrain_tokens(work / "pt_out")
     assert n_dt == n_pt, f"token counts differ: datatrove {n_dt}, podtrain {n_pt}"
     dt, pt = mb / best["datatrove"], mb / best["podtrain"]
     print(f"(a) {mb:.1f} MB, {n_pt:,} tokens (equal in both), {workers} workers: datatrove {dt:.2f} MB/s "
           f"({best['datatrove']:.1f}s), podtrain {pt:.2f} MB/s ({best['podtrain']:.1f}s); "
-          f"podtrain / datatrove = {pt / dt:.2f}x")
+          f"podtrain / datatrove = {pt / dt:.2f}x (wall); CPU seconds datatrove {best['datatrove_cpu']:.1f}, "
+          f"podtrain {best['podtrain_cpu']:.1f}: {best['datatrove_cpu'] / best['podtrain_cpu']:.2f}x")
 
 
 def compare_parts(work: Path, corpus: Path, tok: Path, workers: int, repeats: int) -> None:
     """(b): 2 parts at once + merge vs one process, same total workers; identical streams asserted."""
     half = max(1, workers // 2)
-    best = {"one": float("inf"), "parts": float("inf")}
-    for _ in range(repeats):
-        for d in ("one", "parts"):
-            shutil.rmtree(work / d, ignore_errors=True)
-        best["one"] = min(best["one"], run(PODTRAIN + [
-            "prepare", str(corpus), "--out", str(work / "one"), "--tokenizer", str(tok),
-            "--workers", str(workers), "--no-progress"]))
+    best: dict[str, float] = {}
+
+    def parts() -> float:
         t0 = time.perf_counter()
         procs = [subprocess.Popen(PODTRAIN + ["prepare", str(corpus), "--out", str(work / "parts"),
                                               "--tokenizer", str(tok), "--workers", str(half),
@@ -133,13 +142,21 @@ def compare_parts(work: Path, corpus: Path, tok: Path, workers: int, repeats: in
         assert all(p.wait() == 0 for p in procs)
         subprocess.run(PODTRAIN + ["prepare", "merge", str(work / "parts")], env=ENV, check=True,
                        stdout=subprocess.DEVNULL)
-        best["parts"] = min(best["parts"], time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    for _ in range(repeats):
+        for d in ("one", "parts"):
+            shutil.rmtree(work / d, ignore_errors=True)
+        timed_cpu(lambda: run(PODTRAIN + ["prepare", str(corpus), "--out", str(work / "one"), "--tokenizer",
+                                          str(tok), "--workers", str(workers), "--no-progress"]), best, "one")
+        timed_cpu(parts, best, "parts")
     for split in ("train", "val"):
         a, b = stream(work / "one", split), stream(work / "parts", split)
         assert a == b, f"{split}: the 2-part stream differs from the one-process stream"
     print(f"(b) one process x{workers} workers {best['one']:.1f}s; 2 parts x{half} workers + merge "
           f"{best['parts']:.1f}s; identical train and val streams ({len(stream(work / 'one', 'train')):,} "
-          f"+ {len(stream(work / 'one', 'val')):,} bytes); one / parts = {best['one'] / best['parts']:.2f}x")
+          f"+ {len(stream(work / 'one', 'val')):,} bytes); one / parts = {best['one'] / best['parts']:.2f}x (wall); "
+          f"CPU seconds one {best['one_cpu']:.1f}, parts {best['parts_cpu']:.1f}")
 
 
 def main() -> int:
