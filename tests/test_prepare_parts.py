@@ -1,5 +1,6 @@
 """``podtrain prepare --num-parts N --part I`` + ``merge``, and a small corpus's validation document."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -39,7 +40,8 @@ def prepare_in_parts(inputs, out: Path, n: int, **kw) -> None:
         prep.prepare(opts(inputs, out, num_parts=n, part=i, **kw))
 
 
-@pytest.mark.parametrize("tokenizer,n", [("byte", 3), ("bpe:320", 2)])
+# bpe in parts: test_s3_inputs_and_outputs_one_shot_and_in_parts (the same path, uploaded).
+@pytest.mark.parametrize("tokenizer,n", [("byte", 3)])
 def test_parts_then_merge_is_the_one_shot_token_stream(tmp_path, capsys, tokenizer, n):
     corpus = mixed_corpus(tmp_path / "c")
     kw = dict(tokenizer=tokenizer, workers=1)
@@ -150,3 +152,41 @@ def test_small_corpus_keeps_one_validation_document(tmp_path, capsys):
     jsonl = resolve_inputs([str(tmp_path / "j.jsonl")])
     want = min(["j.jsonl:1", "j.jsonl:4"], key=encode.doc_hash)
     assert fallback_val_document(jsonl, 1e-9, "text") == want
+
+
+def s3_stream(url: str, split: str) -> bytes:
+    """A split's concatenated shards, read back through the store."""
+    from podtrain.storage import open_store
+    store = open_store(url)
+    manifest = json.loads(store.read_bytes("manifest.json"))
+    return b"".join(store.read_bytes(s["file"]) for s in manifest["splits"][split]["shards"])
+
+
+def test_s3_inputs_and_outputs_one_shot_and_in_parts(s3_bucket, tmp_path, monkeypatch, capsys):
+    """Text, JSONL and Parquet objects under an s3:// prefix (moto's real S3 server on loopback) ->
+    --out s3://: one shot, and bpe in 2 parts + merge; the same streams, the manifest last."""
+    from podtrain.storage import open_store
+    monkeypatch.setenv("PODTRAIN_PREPARE_STAGING", str(tmp_path / "staging"))
+    corpus = mixed_corpus(tmp_path / "c")
+    src = open_store(f"s3://{s3_bucket}/corpus")
+    for p in sorted(corpus.iterdir()):
+        src.write_bytes(p.name, p.read_bytes())
+    inputs, kw = [f"s3://{s3_bucket}/corpus"], dict(tokenizer="bpe:300", workers=1)
+    def s3opts(out: str, **more):
+        return dataclasses.replace(opts(inputs, tmp_path, **kw, **more), out=f"s3://{s3_bucket}/{out}")
+
+    one = prep.prepare(s3opts("one"))
+    assert one.out == f"s3://{s3_bucket}/one"
+    assert "trained bpe:300 into s3://" in prep.train_tokenizer(s3opts("many"))
+    for i in (1, 0):
+        prep.prepare(s3opts("many", num_parts=2, part=i))
+    assert cli.main(["prepare", "merge", f"s3://{s3_bucket}/many"]) == 0
+    for split in ("train", "val"):
+        got = s3_stream(f"s3://{s3_bucket}/many", split)
+        assert len(got) > 1000 and got == s3_stream(f"s3://{s3_bucket}/one", split)
+    shards = [s["file"] for split in one.manifest["splits"].values() for s in split["shards"]]
+    names = {e.name for e in open_store(f"s3://{s3_bucket}/one").list()}
+    assert names == {"manifest.json", "tokenizer/tokenizer.json", *shards}  # nothing else, nothing temporary
+    # Every document of every reader: 61 text files, 40 JSONL lines, 60 Parquet rows.
+    assert sum(s["documents"] for s in one.manifest["splits"].values()) == 61 + 40 + 60
+    assert not list((tmp_path / "staging").iterdir())  # staging removed after each upload

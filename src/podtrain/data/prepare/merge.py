@@ -5,7 +5,8 @@ the same N from the same corpus, options and tokenizer; anything else is refused
 naming the part. The merged manifest lists each split's shards part by part (a shard's ``file`` is
 relative to DATA_DIR, e.g. ``parts/00001-of-00004/train_00000.bin``), so a split is the one-shot
 token stream. No shard is copied: merging costs a ``stat`` per shard. It is written last and
-atomically; a re-run writes the same manifest.
+atomically (``podtrain.storage``: a folder or an ``s3://`` prefix); a re-run writes the same
+manifest.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from podtrain.data.prepare.parts import PART_RE, part_name
 from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty, lock_dir
 from podtrain.data.prepare.shards import PARTS_DIR, SHARD_RE
 from podtrain.errors import UserError
-from podtrain.fsutil import atomic_write_bytes, atomic_write_text
+from podtrain.storage import NotFound, Store, open_store
 
 # Must agree in every part (the corpus key covers inputs and options; these are checked by name
 # so the refusal can say what differs).
@@ -32,8 +33,8 @@ SAME_IN_EVERY_PART = ("tokenizer", "dtype", "val_fraction", "text_field", "shard
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``podtrain prepare merge``."""
-    parser.add_argument("out", type=Path, metavar="DATA_DIR",
-                        help="the --out of the parts (holds parts/IIIII-of-NNNNN/)")
+    parser.add_argument("out", metavar="DATA_DIR",
+                        help="the --out of the parts (holds parts/IIIII-of-NNNNN/): a folder or s3:// prefix")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,44 +42,41 @@ def run(args: argparse.Namespace) -> int:
     manifest = merge(args.out)
     splits = "; ".join(f"{k} {s['tokens']:,} tokens / {s['documents']:,} docs / {len(s['shards'])} shards"
                        for k, s in manifest["splits"].items())
-    print(f"merged {manifest['parts']} parts into {args.out / MANIFEST_NAME}: {splits}")
+    print(f"merged {manifest['parts']} parts into {open_store(args.out).where(MANIFEST_NAME)}: {splits}")
     return 0
 
 
-def _read_part(folder: Path, index: int, count: int) -> dict[str, Any]:
-    path = folder / MANIFEST_NAME
+def _read_part(store: Store, index: int, count: int) -> dict[str, Any]:
+    name = f"{PARTS_DIR}/{part_name(index, count)}/{MANIFEST_NAME}"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"part {index} of {count} has not finished ({path} is missing): run it "
+        manifest = json.loads(store.read_bytes(name))
+    except NotFound:
+        raise UserError(f"part {index} of {count} has not finished ({store.where(name)} is missing): run it "
                         f"(--num-parts {count} --part {index}), then merge again") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"part {index} of {count}: {path} is unreadable ({exc})") from None
+    except ValueError as exc:
+        raise UserError(f"part {index} of {count}: {store.where(name)} is unreadable ({exc})") from None
     got = manifest.get("part") if isinstance(manifest, dict) else None
     if not isinstance(got, dict) or (got.get("index"), got.get("count")) != (index, count):
-        raise UserError(f"part {index} of {count}: {path} says it is part {got and got.get('index')} of "
-                        f"{got and got.get('count')} (a copied or duplicate folder?): remove it and run "
-                        f"part {index} again")
+        raise UserError(f"part {index} of {count}: {store.where(name)} says it is part "
+                        f"{got and got.get('index')} of {got and got.get('count')} (a copied or duplicate "
+                        f"folder?): remove it and run part {index} again")
     return manifest
 
 
-def find_parts(out: Path) -> list[dict[str, Any]]:
-    """The manifests of parts 0..N-1 under ``out/parts``, checked to be complete and consistent."""
-    root = Path(out) / PARTS_DIR
-    try:
-        found = [(m, p) for p in sorted(root.iterdir()) if (m := PART_RE.match(p.name))]
-    except FileNotFoundError:
-        raise UserError(f"{root}: no parts to merge (run `podtrain prepare ... --out {out} "
-                        "--num-parts N --part I` for every I first)") from None
+def find_parts(store: Store) -> list[dict[str, Any]]:
+    """The manifests of parts 0..N-1 under ``parts/``, checked to be complete and consistent."""
+    root = store.where(PARTS_DIR)
+    found = [(m, name) for d in store.list_dirs(PARTS_DIR) if (m := PART_RE.match(name := d.rsplit("/", 1)[-1]))]
     counts = sorted({int(m.group(2)) for m, _ in found})
     if not counts:
-        raise UserError(f"{root}: no parts to merge (no IIIII-of-NNNNN folders)")
+        raise UserError(f"{root}: no parts to merge (run `podtrain prepare ... --out {store.url} "
+                        "--num-parts N --part I` for every I first)")
     if len(counts) > 1:
-        groups = "; ".join(f"{n}: " + ", ".join(p.name for m, p in found if int(m.group(2)) == n) for n in counts)
+        groups = "; ".join(f"{n}: " + ", ".join(name for m, name in found if int(m.group(2)) == n) for n in counts)
         raise UserError(f"{root}: parts of different --num-parts ({groups}): remove those left over "
                         "from another run")
     count = counts[0]
-    manifests = [_read_part(root / part_name(i, count), i, count) for i in range(count)]
+    manifests = [_read_part(store, i, count) for i in range(count)]
     first = manifests[0]
     for i, m in enumerate(manifests[1:], start=1):
         for key in SAME_IN_EVERY_PART:
@@ -92,10 +90,11 @@ def find_parts(out: Path) -> list[dict[str, Any]]:
     return manifests
 
 
-def merged_manifest(out: Path, manifests: list[dict[str, Any]]) -> dict[str, Any]:
+def merged_manifest(store: Store, manifests: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest for all parts: shards listed part by part, counts and sources summed."""
     first, count = manifests[0], len(manifests)
     itemsize = np.dtype(first["dtype"]).itemsize
+    sizes = {e.name: e.size for e in store.list(PARTS_DIR + "/")}  # one listing, not a request per shard
     splits: dict[str, dict[str, Any]] = {}
     sources: dict[str, dict[str, Any]] = {}
     errors = {"policy": first["errors"]["policy"], "replaced": 0, "skipped": 0}
@@ -105,12 +104,8 @@ def merged_manifest(out: Path, manifests: list[dict[str, Any]]) -> dict[str, Any
             into = splits.setdefault(split, {"tokens": 0, "documents": 0, "shards": []})
             for shard in s["shards"]:
                 file = f"{prefix}/{shard['file']}"
-                try:
-                    size = os.stat(Path(out) / file).st_size
-                except OSError:
-                    size = -1
-                if size != shard["tokens"] * itemsize:
-                    raise UserError(f"part {i} of {count}: shard {Path(out) / file} is missing or has "
+                if sizes.get(file) != shard["tokens"] * itemsize:
+                    raise UserError(f"part {i} of {count}: shard {store.where(file)} is missing or has "
                                     f"another size than its manifest says; run part {i} again")
                 into["shards"].append(dict(shard, file=file))
             into["tokens"] += s["tokens"]
@@ -127,28 +122,30 @@ def merged_manifest(out: Path, manifests: list[dict[str, Any]]) -> dict[str, Any
     return merged
 
 
-def merge(out: Path) -> dict[str, Any]:
-    """Write ``out/manifest.json`` for the parts under ``out/parts``; returns the manifest."""
-    out = Path(out)
-    if not out.is_dir():
+def merge(out: str | Path) -> dict[str, Any]:
+    """Write ``out/manifest.json`` for the parts under ``out/parts`` (a folder or ``s3://``
+    prefix); returns the manifest."""
+    store = open_store(out)
+    local = Path(out) if store.is_local else None
+    if local is not None and not local.is_dir():
         raise UserError(f"{out}: no such directory (the --out of the parts)")
-    lock = lock_dir(out, created=False)
+    lock = lock_dir(local, created=False) if local is not None else None
     try:
-        manifests = find_parts(out)
-        merged = merged_manifest(out, manifests)
-        opts = PrepareOptions(inputs=tuple(s["input"] for s in merged["sources"]), out=out,
+        manifests = find_parts(store)
+        merged = merged_manifest(store, manifests)
+        opts = PrepareOptions(inputs=tuple(s["input"] for s in merged["sources"]), out=Path(str(out)),
                               val_fraction=merged["val_fraction"])
         check_not_empty(opts, {k: s["tokens"] for k, s in merged["splits"].items()})
-        first = out / PARTS_DIR / part_name(0, len(manifests))
+        first = f"{PARTS_DIR}/{part_name(0, len(manifests))}"
         for name in merged["tokenizer"]["files"]:  # the files the identity lists, next to the manifest
-            blob = (first / name).read_bytes()
-            target = out / name
-            if not target.is_file() or target.read_bytes() != blob:
-                atomic_write_bytes(target, blob)
-        for stale in out.iterdir():  # a one-shot run's shards, made stale by the parts
+            blob = store.read_bytes(f"{first}/{name}")
+            if not store.exists(name) or store.read_bytes(name) != blob:
+                store.write_bytes(name, blob)
+        for stale in store.list():  # a one-shot run's shards, made stale by the parts
             if SHARD_RE.match(stale.name):
-                stale.unlink()
-        atomic_write_text(out / MANIFEST_NAME, json.dumps(merged, indent=1) + "\n")
+                store.delete(stale.name)
+        store.write_bytes(MANIFEST_NAME, (json.dumps(merged, indent=1) + "\n").encode("utf-8"))
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
     return merged

@@ -58,7 +58,7 @@ from podtrain.data.prepare.readers import plan_tasks
 from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
                                           read_run_state, remove_temp_files, resume_splits,
                                           up_to_date_manifest, write_run_state)
-from podtrain.data.prepare.sources import Source, resolve_inputs
+from podtrain.data.prepare.sources import Source, is_s3, resolve_inputs
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text
 
@@ -78,7 +78,7 @@ class PrepareOptions:
     """Everything ``prepare`` needs; the CLI flags map one to one."""
 
     inputs: tuple[str, ...]
-    out: Path
+    out: Path | str                      # str: an s3:// url (prepared locally, then uploaded: ``remote``)
     tokenizer: str = "byte"
     val_fraction: float = DEFAULT_VAL_FRACTION
     text_field: str = "text"
@@ -130,6 +130,8 @@ def _validate(opts: PrepareOptions) -> None:
             raise UserError(f"{flag} {value}: must be positive")
     if opts.workers < 0:
         raise UserError(f"--workers {opts.workers}: must be >= 0 (0 = one per core)")
+    if isinstance(opts.out, Path) and str(opts.out).startswith("s3:/"):  # Path() ate one slash
+        raise UserError(f"--out {opts.out}: pass an s3:// url as a string, not a Path")
     parts.choose_part(opts.num_parts, opts.part)
 
 
@@ -272,6 +274,9 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
     ``opts.out`` (see ``parts``). Raises ``UserError`` (one line naming the file) for bad input,
     leaving no manifest and no temporary file behind.
     """
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import prepare_remote
+        return prepare_remote(opts, prepare)
     t0 = time.perf_counter()
     corpus = _resolve(opts)
     sources, hf, key, out, part = corpus.sources, corpus.hf, corpus.key, Path(opts.out), None
@@ -354,6 +359,9 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
 def train_tokenizer(opts: PrepareOptions) -> str:
     """``--train-tokenizer-only``: train a ``bpe:VOCAB`` tokenizer once, before the parts of a
     ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line."""
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import train_remote
+        return train_remote(opts, train_tokenizer)
     corpus = _resolve(opts)
     if not opts.tokenizer.startswith("bpe:"):
         return f"nothing to train: --tokenizer {opts.tokenizer} is used as it is"

@@ -77,11 +77,15 @@ def _s3_sources(inp: str) -> list[Source]:
     if out:
         return out
     parent, _, base = root.rpartition("/")
-    if base and parent.count("/") >= 2:  # s3://bucket/KEY: the object itself
-        for e in _store(parent).list(base):
-            if e.name == base:
-                return [Source(inp, base, root, _kind_of(Path(base), explicit=True) or "text", e.size, 0,
-                               str(e.version))]
+    if base and parent.count("/") >= 2:  # s3://bucket/KEY: perhaps the object itself
+        from podtrain.storage import NotFound
+        try:
+            e = _store(parent).stat(base)
+        except NotFound:
+            pass
+        else:
+            return [Source(inp, base, root, _kind_of(Path(base), explicit=True) or "text", e.size, 0,
+                           str(e.version))]
     if found:
         raise UserError(f"{inp}: holds no text, .jsonl or .parquet objects")
     raise UserError(f"{inp}: no such S3 object or prefix (nothing listed there)")
