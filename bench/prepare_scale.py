@@ -8,7 +8,8 @@ record, repeated to ``--mb`` MB over ``4 x workers`` JSONL files (datatrove hand
 tasks). The tokenizer: a byte-level BPE trained once by podtrain, passed to both as tokenizer.json.
 
 (a) datatrove: ``JsonlReader -> DocumentTokenizer`` (EOS after each document, no shuffling, the
-    .ds/.index/.metadata files it writes) under ``LocalPipelineExecutor(tasks=W, workers=W)``;
+    .ds/.index/.metadata files it writes) under ``LocalPipelineExecutor(tasks=W, workers=W)``
+    (start method spawn, as podtrain's workers, so both CPU times count every process);
     podtrain: ``podtrain prepare CORPUS --tokenizer tokenizer.json --workers W`` at its defaults
     (3% validation split, sha256 + fsync of every shard, manifest). Both as a fresh subprocess, run
     alternately, best of ``--repeats``; the token counts must agree (the same work was done).
@@ -87,7 +88,10 @@ if __name__ == "__main__":
         [JsonlReader(corpus, glob_pattern="*.jsonl", add_file_path=False),
          DocumentTokenizer(out, tokenizer_name_or_path=tok, eos_token="<|endoftext|>",
                            shuffle_documents=False)],
-        tasks=int(workers), workers=int(workers), logging_dir=logs).run()
+        tasks=int(workers), workers=int(workers), logging_dir=logs,
+        # spawn (podtrain's start method too): the workers are this process's children, so their
+        # CPU time is counted (forkserver's would be the server's, never reaped by us).
+        start_method="spawn").run()
 """
 
 
