@@ -10,7 +10,8 @@ rendezvous: the same code path as M real nodes.
 
 The terminal sees the workers' output and one closing line, never torchrun's tracebacks
 (``agent_output.py``; torchrun's own log is kept in RUN_DIR/logs). The exit status is the
-workers' (``exit_report.py``): 0, 2 with the rank's one-line reason, 124 after a hang, and after
+workers' (``exit_report.py``), even when RUN_DIR's disk fills up or turns read-only under the
+job (the log is then incomplete, and says so in one line): 0, 2 with the rank's one-line reason, 124 after a hang, and after
 Ctrl-C or SIGTERM (relayed once to the agents, which run in their own sessions) 130 or 143 with
 "stopped by SIGINT at step N, checkpoint step_N saved; run the same command to resume".
 """
@@ -107,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         with AgentOutput(agents, log_dir / f"torchrun_{rdzv_id}.log") as output:
             agent_codes, received = wait_forwarding_signals(agents)
         reports = read_reports(reports_dir)
+    if output.log_error is not None:  # the workers' verdict below still stands
+        print(f"podtrain: warning: torchrun's log {output.log_path} is incomplete: {output.log_error}",
+              file=sys.stderr)
     return job_verdict(Path(cfg.run.dir), agent_codes, received, reports, output.torchrun_text,
                        output.log_path)
 

@@ -253,9 +253,9 @@ class Trainer:
                  __version__, ctx.world_size, ctx.backend, ctx.device.type, self.precision.name,
                  self.strategy.describe())
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
-                 "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
-                 self.accum, cfg.train.micro_batch_size)
+                 self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
                  self.loader.samples_per_epoch, self.run_dir)
 
@@ -312,15 +312,15 @@ class Trainer:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
-        val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
+        val = f"{self.result.val_loss:.4f} nats" if self.result.val_loss is not None else "n/a"
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f}, validation loss {val} nats | unigram entropy of the "
+            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of the "
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
@@ -396,12 +396,9 @@ class Trainer:
         self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
-        since = self.stop_signal.seconds_since_signal()
-        log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
-                    "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
-                    since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
-                    self.stop_signal.exit_code)
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        if self.ctx.is_main:  # one line for the job, not one per rank
+            log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+        self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
