@@ -8,6 +8,7 @@ mounting is not permitted the tests that need it skip and say so.
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,9 +73,12 @@ def test_only_storage_conditions_on_a_named_path_become_one_line():
             raise RuntimeError("checkpoint of step 4 failed") from cause
     except RuntimeError as exc:
         assert str(storage_error(exc)).startswith("cannot write /d/ckpt/step_4/model.safetensors: no space left")
-    # Bugs keep their traceback: a missing file, a storage errno without a path, anything else.
+    # Bugs keep their traceback: a missing file, a permission error naming no path, the rest;
+    # a full or read-only disk is never a bug, even where the OS named no file.
     assert storage_error(FileNotFoundError(errno.ENOENT, "No such file", "/run/x.json")) is None
-    assert storage_error(OSError(errno.ENOSPC, "No space left on device")) is None
+    assert str(storage_error(OSError(errno.ENOSPC, "No space left"))) == (
+        "a write failed: no space left on the device; free some or choose another location")
+    assert storage_error(OSError(errno.EACCES, "Permission denied")) is None  # no path: maybe a bug
     assert storage_error(ValueError("bad")) is None
 
 
@@ -85,18 +89,28 @@ def test_train_and_launch_local_on_a_read_only_run_dir(capsys, read_only, tmp_pa
     args = ["configs/demo.yaml", f"data.path={data}", f"run.dir={read_only / 'run'}", *BASE, "train.steps=1"]
     line = _one_line(capsys, main(["train", *args]))
     assert f"cannot write {read_only / 'run'}" in line and "read-only" in line
-    line = _one_line(capsys, main(["launch", "local", *args, "--nproc", "2"]))
+    line = _one_line(capsys, main(["launch", "local", *args, "--nproc", "2", "train.global_batch_size=4"]))
     assert f"cannot write {read_only / 'run'}" in line and "read-only" in line
 
 
 def test_train_on_a_full_disk_ends_with_one_line(capsys, full_disk, tmp_path, repo, monkeypatch):
     monkeypatch.chdir(repo)
     data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
-    code = main(["train", "configs/demo.yaml", f"data.path={data}", f"run.dir={full_disk / 'run'}", *BASE,
-                 "train.steps=2", "ckpt.every=1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "Traceback" not in "\n".join(err), err
-    assert err[-1].startswith(f"podtrain: error: cannot write {full_disk / 'run'}") and "no space left" in err[-1]
+    args = ["train", "configs/demo.yaml", f"data.path={data}", *BASE, "train.steps=30", "ckpt.every=0"]
+    line = _one_line(capsys, main([*args, f"run.dir={full_disk / 'run'}"]))  # full at the start
+    assert line.startswith(f"podtrain: error: cannot write {full_disk / 'run'}") and "no space left" in line
+    # Room to start (the probe, config.yaml, metrics.jsonl's first page), then the disk fills
+    # during training: the metrics line that needs a second page fails.
+    filler = full_disk / "filler"
+    pages = filler.stat().st_size // 4096
+    os.truncate(filler, (pages - 3) * 4096)
+    code = main([*args, f"run.dir={full_disk / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err, err
+    assert "] done: " not in out and "step 3/30" in out  # it trained, then stopped at the failure
+    line = err.strip().splitlines()[-1]
+    assert line == (f"podtrain: error: cannot write {full_disk / 'run' / 'metrics.jsonl'}: no space left on "
+                    "the device; free some or choose another location")
 
 
 def test_prepare_export_and_plot_outputs_on_a_read_only_disk(capsys, read_only, tmp_path):
@@ -105,6 +119,8 @@ def test_prepare_export_and_plot_outputs_on_a_read_only_disk(capsys, read_only, 
     (corpus / "a.txt").write_text("hello world\n" * 50)
     line = _one_line(capsys, main(["prepare", str(corpus), "--out", str(read_only / "data")]))
     assert f"cannot write {read_only / 'data'}" in line
+    line = _one_line(capsys, main(["export", str(tmp_path / "run"), str(read_only / "hf")]))
+    assert f"cannot write {read_only}" in line and "read-only" in line  # before any work
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0, "tokens_seen": 64}\n')

@@ -107,5 +107,6 @@ class AgentOutput:
             except OSError:
                 pass  # the same failure again: its buffer cannot be flushed either
         if self.log_error is None:
+            exc.filename = exc.filename or str(self.log_path)  # a buffered write names no file
             error = storage_error(exc)
             self.log_error = str(error) if error is not None else f"{type(exc).__name__}: {exc}"

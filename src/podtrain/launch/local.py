@@ -31,6 +31,7 @@ from typing import Sequence
 from podtrain.config import accumulation_steps, load_config
 from podtrain.distributed.env import threads_per_rank
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch.agent_output import AgentOutput
 from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
@@ -88,12 +89,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
+    log_dir = writable_dir(Path(cfg.run.dir) / "logs")  # a read-only or full disk: one line, now
     _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
-    log_dir = Path(cfg.run.dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="podtrain-exit-") as reports_dir:
         env[EXIT_REPORT_DIR] = reports_dir
         # Own sessions: a terminal's Ctrl-C reaches only us, and we relay it once (a second

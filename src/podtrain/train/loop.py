@@ -34,6 +34,7 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -191,6 +192,7 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
+        writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
