@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
+    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)  # writes nothing
     log_dir = writable_dir(Path(cfg.run.dir) / "logs")  # a read-only or full disk: one line, now
-    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
