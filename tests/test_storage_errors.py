@@ -8,6 +8,7 @@ mounting is not permitted the tests that need it skip and say so.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,16 @@ from synthetic_data import make_data_dir
 
 BASE = ["data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=2", "log.progress=plain",
         "monitor.watchdog=false", "eval.every=0", "log.every=1", "monitor.straggler_every=0"]
+
+
+@pytest.fixture(autouse=True)
+def _own_log_handlers():
+    """An in-process ``train`` points podtrain's logger at this test's captured stdout: put the
+    handlers back, so a later test does not log into a closed stream."""
+    logger = logging.getLogger("podtrain")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
 
 
 def _mount(folder: Path, *options: str) -> Path:
