@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.observe.records import RunRecords, read_records
 
 # (panel title, record field, scale to the shown unit, y label)
@@ -46,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         if not r.train:
             raise UserError(f"{r.run_dir / 'metrics.jsonl'} holds no training records yet")
+    writable_dir(out.parent)  # before drawing: a read-only disk is one line at once
     png = render_png(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".png":
         out.write_bytes(png)
     else:

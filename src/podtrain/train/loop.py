@@ -34,6 +34,7 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -195,6 +196,7 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
+        writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
@@ -256,9 +258,9 @@ class Trainer:
                  ctx.world_size, ctx.backend, ctx.device.type, self.precision.name, self.strategy.describe(),
                  f" | {self.gpu_defaults}" if self.gpu_defaults else "")
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
-                 "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
-                 self.accum, cfg.train.micro_batch_size)
+                 self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
                  self.loader.samples_per_epoch, self.run_dir)
 
@@ -314,7 +316,7 @@ class Trainer:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
         if self.result.final_loss is None:
             return
@@ -323,7 +325,7 @@ class Trainer:
                if self.result.val_loss is not None else "n/a")
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f}, validation loss {val} | unigram entropy of the "
+            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of the "
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
@@ -398,12 +400,9 @@ class Trainer:
         self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
-        since = self.stop_signal.seconds_since_signal()
-        log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
-                    "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
-                    since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
-                    self.stop_signal.exit_code)
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        if self.ctx.is_main:  # one line for the job, not one per rank
+            log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+        self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
