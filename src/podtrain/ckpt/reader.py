@@ -134,7 +134,7 @@ def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
     it is absent or not valid."""
     root = Path(run_dir) / layout.CKPT_SUBDIR
     store, name = open_store(str(root)), layout.step_name(step)
-    manifest, why = layout.check(store, name)
+    manifest, why = layout.check(store, name) if name in store.list_dirs("") else (None, "no such checkpoint")
     if manifest is not None:
         try:
             return read_checkpoint(store, name, manifest)
