@@ -184,7 +184,28 @@ def test_hyperpodpytorchjob_validated_against_hyperpods_model_when_generated(tmp
     assert not (tmp_path / "bad.yaml").exists()
 
 
+def test_service_account_in_both_kinds_and_no_secret_in_the_manifests(tmp_path, crd_schema, monkeypatch):
+    from s3_server import TEST_SECRET
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)  # what a user's shell may hold
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    for kind in k8s.KINDS:
+        config_map, job = generate(tmp_path, "--kind", kind, "--nodes", "2", "--gpus-per-node", "8",
+                                   "--image", IMAGE, "--pvc", "fsx", "--service-account", "podtrain-s3",
+                                   overrides=("ckpt.dir=s3://bucket/runs/ckpt",))
+        if kind == "pytorchjob":
+            check_pytorchjob(job, crd_schema)
+        else:
+            schemas.validate_hyperpodpytorchjob(job)
+        assert k8s.job_pod_template(job)["spec"]["serviceAccountName"] == "podtrain-s3"
+        assert yaml.safe_load(config_map["data"]["config.yaml"])["ckpt"]["dir"] == "s3://bucket/runs/ckpt"
+        text = (tmp_path / "job.yaml").read_text()
+        assert TEST_SECRET not in text and "AKIAEXAMPLE" not in text
+
+
 BAD_INPUT = [
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--service-account", "Team_A"],
+     "--service-account 'Team_A' is not a valid Kubernetes name"),
     (["--nodes", "2", "--gpus-per-node", "8", "--image", "podtrain"], "has no tag"),
     (["--nodes", "2", "--gpus-per-node", "8", "--image", "registry:5000/podtrain"], "has no tag"),
     (["--nodes", "0", "--gpus-per-node", "8", "--image", IMAGE], "--nodes must be at least 1"),

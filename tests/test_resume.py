@@ -217,6 +217,29 @@ def test_golden_resume_after_sigkill_of_one_rank_mid_step(golden, tmp_path):
 
 
 @pytest.mark.e2e
+def test_golden_resume_from_s3_after_sigkill_and_no_secret_in_the_run(golden, tmp_path, s3_server, s3_bucket):
+    """ckpt.dir=s3://... at the local S3 server (AWS_ENDPOINT_URL, credentials from the environment):
+    kill -9 of a rank mid-step, torchrun restarts, resume from S3, same losses and weights."""
+    from s3_server import TEST_SECRET
+
+    url, run_dir, marker = f"s3://{s3_bucket}/team/ckpt", tmp_path / "run", tmp_path / "fault-fired"
+    fault = f"kill:rank=1,step=5,delay=0.05,once={marker}"
+    proc = launch(golden["repo"], run_dir, golden["data"], f"ckpt.dir={url}", max_restarts=1,
+                  env={**fault_env(fault), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    code, out = finish(proc)
+    assert code == 0, out[-3000:]
+    assert marker.exists(), "the fault never fired"
+    assert f"resumed from {url}/step_000003 (step 3)" in out, out[-3000:]
+    assert_matches_golden(golden, run_dir, 3)  # reads the weights back from S3 (config.yaml's ckpt.dir)
+    assert not (run_dir / "ckpt").exists()
+    assert {k.split("/")[2] for k in s3_server.keys(s3_bucket)} == {"latest", "step_000006", "step_000009",
+                                                                    "step_000010"}
+    assert TEST_SECRET not in out
+    for path in run_dir.rglob("*"):
+        assert not path.is_file() or TEST_SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.e2e
 def test_golden_resume_after_sigterm_to_the_launcher(golden, tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(golden["repo"], run_dir, golden["data"])

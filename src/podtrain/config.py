@@ -259,6 +259,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_observe(cfg)
     if cfg.ckpt.host_staging_mb is not None and not cfg.ckpt.host_staging_mb >= 1:
         raise UserError(f"config key 'ckpt.host_staging_mb' must be at least 1 (MB), got {cfg.ckpt.host_staging_mb}")
+    _validate_ckpt_tiers(cfg.ckpt)
     if cfg.dist.strategy != "ddp" and cfg.train.precision == "fp16":
         raise UserError(f"config key 'dist.strategy' ({cfg.dist.strategy}) does not support "
                         "train.precision=fp16 (the GradScaler's found-inf flag would have to be reduced "
@@ -272,6 +273,23 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")
+
+
+def _validate_ckpt_tiers(ckpt: Any) -> None:
+    """ckpt.dir may be s3:// (never with credentials in it); the local tier is a local path."""
+    if "://" in ckpt.dir and "@" in ckpt.dir.split("://", 1)[1].split("/", 1)[0]:
+        raise UserError("config key 'ckpt.dir' must not carry credentials (user:secret@): S3 credentials "
+                        "come from the AWS chain (environment, profile, IRSA, EKS Pod Identity)")
+    if "://" in ckpt.local_dir:
+        raise UserError(f"config key 'ckpt.local_dir' must be a node-local path (NVMe, /dev/shm), "
+                        f"got {ckpt.local_dir!r}")
+    if ckpt.local_every < 0:
+        raise UserError(f"config key 'ckpt.local_every' must not be negative, got {ckpt.local_every}")
+    if ckpt.local_keep < 1:
+        raise UserError(f"config key 'ckpt.local_keep' must be at least 1, got {ckpt.local_keep}")
+    if bool(ckpt.local_every) != bool(ckpt.local_dir):
+        raise UserError("config keys 'ckpt.local_dir' and 'ckpt.local_every' go together: set both "
+                        f"(got local_dir={ckpt.local_dir!r}, local_every={ckpt.local_every})")
 
 
 def _validate_observe(cfg: RunConfig) -> None:

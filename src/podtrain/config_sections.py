@@ -119,8 +119,12 @@ class EvalSection:
 
 @dataclass
 class CkptSection:
-    """Checkpoints under RUN_DIR/ckpt/ (every rank writes and reads its own share)."""
+    """Checkpoints under ckpt.dir (every rank writes and reads its own share), optionally with a
+    fast node-local tier under ckpt.local_dir."""
 
+    dir: str = ""
+    """Where durable checkpoints live: a shared directory or s3://bucket/prefix (pip extra s3;
+    credentials from the standard AWS chain, AWS_ENDPOINT_URL honoured); empty: RUN_DIR/ckpt."""
     every: int | str = 100
     """Save every N steps and at the end; 0 saves only at the end; auto picks N from the measured
     save stall and ckpt.mtbf_h (Young/Daly: sqrt(2 x stall x MTBF))."""
@@ -147,6 +151,15 @@ class CkptSection:
     """Host memory (MB, 2^20 bytes) per rank for checkpoint copies; null: a quarter of the node's
     memory (cgroup limit included) divided by its ranks. Saves stream through it: when a rank's
     share of the state is larger, the step loop also waits for part of the write."""
+    local_dir: str = ""
+    """Node-local directory (NVMe, /dev/shm) of the fast tier, one per run; empty: no local tier.
+    Each rank writes its own pieces there; a restart resumes from the newest step every rank's
+    local tier holds (same world size and strategy), else from ckpt.dir."""
+    local_every: int = 0
+    """Save to ckpt.local_dir every N steps (steps that also save to ckpt.dir write only there);
+    0: no local saves."""
+    local_keep: int = 2
+    """Keep the newest N local checkpoints on each node (at least 1)."""
 
 
 @dataclass

@@ -22,6 +22,11 @@ of its ``StagingPool`` (on a GPU on a side stream that only the next optimizer s
 the manifest and then ``latest`` (``podtrain.ckpt.writer``). A failed save (no space...) removes
 its files and fails every rank's job alike: the loop stops at the next step boundary.
 
+Tiers: ``ckpt.dir`` (a shared directory or ``s3://``) is the durable tier; ``ckpt.local_dir``
+adds a node-local one, saved every ``ckpt.local_every`` steps (``podtrain.ckpt.local_tier``). A
+restart takes the newest local step every rank holds when it is at least as new as the newest
+durable checkpoint, else the durable tier.
+
 Resuming: rank 0 alone lists the checkpoints and picks the newest whose manifest is complete and
 whose files have their sizes (no data read) and broadcasts the manifest; every rank then reads and
 verifies only its share (``podtrain.ckpt.load``). When any rank finds a bad block, all ranks learn
@@ -40,9 +45,9 @@ import torch
 from torch import nn
 
 from podtrain import __version__
-from podtrain.ckpt import layout
+from podtrain.ckpt import layout, local_tier
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
-from podtrain.ckpt.load import finish, prepare, read
+from podtrain.ckpt.load import finish, prepare, read, read_small
 from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
@@ -84,13 +89,16 @@ class Checkpointer:
         """Every rank constructs one (it creates the background gloo group collectively).
         ``store``: where checkpoints live (default ``RUN_DIR/ckpt``; see ``podtrain.ckpt.store``)."""
         self.run_dir = Path(run_dir)
-        self.store = store if store is not None else open_store(str(self.run_dir / layout.CKPT_SUBDIR))
+        self.store = store if store is not None else open_store(layout.ckpt_url(self.run_dir, cfg.dir))
         self.cfg = cfg
         self.ctx = ctx
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
         self._pool = StagingPool(budget, pin=ctx.is_cuda)
         self._fence = CopyFence(ctx.device)
         self._writer = CheckpointWriter(self.store, cfg, ctx)
+        self.local = open_store(cfg.local_dir) if cfg.local_dir else None
+        """The node-local tier's store (``ckpt.local_dir``), or None."""
+        self._local_writer = CheckpointWriter(self.local, cfg, ctx, local=True) if self.local else None
         self._pending: SaveJob | None = None
         self._last_step: int | None = None
         self.skipped: list[tuple[str, str]] = []
@@ -117,6 +125,10 @@ class Checkpointer:
         overrides ``cfg.resume`` (a rollback).
         """
         resume = resume or self.cfg.resume
+        if self.local is not None and resume == "auto":
+            state = self._restore_local(model, optimizer, scaler, check)
+            if state is not None:
+                return state
         failed: set[str] = set()
         while True:
             choice = self._rank0_decides(lambda: self._choose(resume, failed))
@@ -130,13 +142,53 @@ class Checkpointer:
                 raise UserError(f"ckpt.resume={resume}: checkpoint {choice['where']} is corrupted (see above)")
             failed.add(choice["name"])
 
+    def _restore_local(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None, check: Callable | None) -> ResumeState | None:
+        """Every rank: restore the newest local step every rank holds, when it is at least as new
+        as the newest durable checkpoint; None: use the durable tier (all ranks agree)."""
+        held = self._agreed(self.local.url, lambda: local_tier.held_steps(self.local, self.ctx.rank,
+                                                                          self.ctx.world_size))
+        step = local_tier.newest_common(self.ctx.all_gather_object(held))
+        if step is None:
+            if any(held) and self.ctx.is_main:
+                log.info("no local checkpoint is held by every rank: resuming from the durable tier")
+            return None
+        choice = self._rank0_decides(lambda: self._local_choice(step))
+        if choice is None:
+            return None
+        store = local_tier.WithSmallFiles(self.local, choice.pop("files"))
+        state = self._load(choice, model, optimizer, scaler, check, store)
+        if state is None:
+            log.warning("the local checkpoint of step %d could not be restored: trying the durable tier", step)
+        self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
+        return state
+
+    def _local_choice(self, step: int) -> dict | None:
+        """Rank 0: the local step unless a durable checkpoint is newer; its small files, to broadcast."""
+        durable = layout.committed_steps(self.store)
+        if durable and durable[-1][0] > step:
+            log.info("local step %d is older than durable step %d: resuming from the durable tier",
+                     step, durable[-1][0])
+            return None
+        name = layout.step_name(step)
+        try:
+            manifest = layout.read_manifest(self.local, name)
+            files = {f"{name}/{rel}": read_small(self.local, name, manifest, rel) for rel in local_tier.SMALL_FILES}
+        except (ValueError, StorageError) as exc:
+            log.warning("local checkpoint %s/%s is not usable: %s", self.local.url, name, exc)
+            return None
+        return {**self._choice(local_tier.WithSmallFiles(self.local, files), None, name, manifest),
+                "files": files}
+
     def _store_of(self, choice: dict) -> Any:
         return self.store if choice["root"] is None else open_store(choice["root"])
 
     def _load(self, choice: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler | None, check: Callable | None) -> ResumeState | None:
-        """Every rank: load one checkpoint; None when some rank found it corrupted (all agree)."""
-        store, name, manifest, where = self._store_of(choice), choice["name"], choice["manifest"], choice["where"]
+              scaler: torch.amp.GradScaler | None, check: Callable | None, store=None) -> ResumeState | None:
+        """Every rank: load one checkpoint (from ``store``, default the choice's); None when some
+        rank found it corrupted or missing (all agree)."""
+        store = store if store is not None else self._store_of(choice)
+        name, manifest, where = choice["name"], choice["manifest"], choice["where"]
         step = int(manifest["step"])
         if check is not None:
             check(choice["train_state"], step, where)
@@ -185,7 +237,7 @@ class Checkpointer:
                             "(later saves move newer ones to %s/)", store.url, layout.ABANDONED)
             return None
         if resume != "auto":
-            store, name = _explicit(resume)
+            store, name = layout.resolve_resume(resume)
             root = store.url
             if name is not None:
                 manifest, reason = layout.check(store, name)
@@ -244,20 +296,25 @@ class Checkpointer:
         """True every ``ckpt.every`` steps (0: never in between) and always at ``last_step``."""
         return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
 
+    def local_due(self, step: int) -> bool:
+        """True every ``ckpt.local_every`` steps when there is a local tier."""
+        return self.local is not None and self.cfg.local_every > 0 and step % self.cfg.local_every == 0
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scaler: torch.amp.GradScaler | None, train_state: dict) -> None:
+             scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False) -> None:
         """Copy this rank's share to host memory now, write it in the background (every rank, same
-        step). Saving the step that was just saved (a stop signal right after a scheduled save)
-        does nothing."""
+        step) to the durable tier, or to the node-local one (``local``). Saving the step that was
+        just saved durably (a stop signal right after a scheduled save) does nothing."""
         if step == self._last_step:
             log.info("step %d is already checkpointed", step)
             return
         waited = self.wait()  # at most one save in flight: its buffers are about to be reused
         t0 = time.perf_counter()
         job = self._snapshot(step, model, optimizer, scaler, train_state)
-        self._last_step = step
+        if not local:
+            self._last_step = step
         self._pending = job
-        self._writer.submit(job)  # first: the writer drains slabs while the copies fill them
+        (self._local_writer if local else self._writer).submit(job)  # first: the writer drains slabs while the copies fill them
         if job.stream is not None:
             job.stream.produce(self.ctx.device, self._fence)
         self._fence.hold_optimizer(optimizer)  # GPU: the next optimizer step waits on the copies
@@ -332,17 +389,7 @@ class Checkpointer:
         finally:
             self._fence.release()
             self._writer.close()
+            if self._local_writer is not None:
+                self._local_writer.close()
             self._pool.close()
 
-
-def _explicit(resume: str) -> tuple[Any, str | None]:
-    """``ckpt.resume=PATH``: a checkpoint directory (store = its parent, name) or a run/ckpt
-    directory holding checkpoints (store, None)."""
-    path = Path(resume)
-    if (path / layout.MANIFEST).is_file():
-        return open_store(str(path.parent)), path.name
-    for candidate in (path / layout.CKPT_SUBDIR, path):
-        if layout.committed_steps(open_store(str(candidate))):
-            return open_store(str(candidate)), None
-    raise UserError(f"ckpt.resume={resume}: neither a checkpoint directory (with {layout.MANIFEST}) "
-                    "nor a run directory holding checkpoints")

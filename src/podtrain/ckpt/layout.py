@@ -78,9 +78,48 @@ def committed_steps(store) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every committed checkpoint under the directory ``root``, oldest first."""
-    return [(step, Path(root) / name) for step, name in committed_steps(open_store(str(root)))]
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path | str]]:
+    """``(step, where)`` of every committed checkpoint under ``root`` (a directory: a Path; an
+    ``s3://`` prefix: its URL), oldest first."""
+    store = open_store(str(root))
+    return [(step, Path(root) / name if store.is_local else f"{store.url}/{name}")
+            for step, name in committed_steps(store)]
+
+
+def ckpt_url(run_dir: str | Path, configured: str = "") -> str:
+    """Where a run's durable checkpoints live: ``ckpt.dir`` when set, else ``RUN_DIR/ckpt``."""
+    return configured or str(Path(run_dir) / CKPT_SUBDIR)
+
+
+def run_ckpt_url(run_dir: str | Path) -> str:
+    """A run's checkpoint location as its ``RUN_DIR/config.yaml`` records it (``ckpt.dir``), else
+    ``RUN_DIR/ckpt``: what ``sample``, ``export``, ``eval`` and the launcher read."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+        configured = str((raw.get("ckpt") or {}).get("dir") or "")
+    except (OSError, yaml.YAMLError, AttributeError):
+        configured = ""
+    return ckpt_url(run_dir, configured)
+
+
+def resolve_resume(resume: str):
+    """``ckpt.resume=PATH`` (a directory or an ``s3://`` URL): ``(store, name)`` of a checkpoint
+    (it holds a manifest), or ``(store, None)`` of a run/ckpt location holding checkpoints."""
+    resume = resume.rstrip("/")
+    if open_store(resume).exists(MANIFEST):
+        parent, _, name = resume.rpartition("/")
+        return open_store(parent or "."), name
+    candidates = [f"{resume}/{CKPT_SUBDIR}", resume]
+    if "://" not in resume:
+        candidates.insert(0, run_ckpt_url(resume))
+    for candidate in candidates:
+        store = open_store(candidate)
+        if committed_steps(store):
+            return store, None
+    raise UserError(f"ckpt.resume={resume}: neither a checkpoint (with {MANIFEST}) nor a run or "
+                    "checkpoint directory holding checkpoints")
 
 
 class UnsafeCheckpoint(UserError):
@@ -225,7 +264,9 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
 
 def apply_retention(store, current: int, keep_last: int, keep_every: int) -> None:
     """Carry out ``retention_plan`` after saving ``current``: delete, or move to ``abandoned/``
-    (a rename on a POSIX store; elsewhere, deleted with a warning)."""
+    (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
+    through the client would move every byte through this node; a bucket with versioning keeps
+    them recoverable)."""
     complete = [s for s, _ in committed_steps(store)]
     delete, abandon = retention_plan(complete, current, keep_last, keep_every)
     for step in abandon:

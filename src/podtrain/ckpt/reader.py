@@ -118,11 +118,11 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
-    store = open_store(str(run_dir / layout.CKPT_SUBDIR))
+    store = open_store(layout.run_ckpt_url(run_dir))
     choice = layout.find_latest(store)
     if choice.name is None:
         raise UserError(f"run directory {run_dir} has no complete checkpoint under "
-                        f"{run_dir / layout.CKPT_SUBDIR} (train first, or check run.dir)")
+                        f"{store.url} (train first, or check run.dir)")
     try:
         return read_checkpoint(store, choice.name, choice.manifest)
     except CorruptCheckpoint as exc:
@@ -132,8 +132,7 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
 def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
     """A run's checkpoint of ``step``, read into memory; a UserError naming the steps there when
     it is absent or not valid."""
-    root = Path(run_dir) / layout.CKPT_SUBDIR
-    store, name = open_store(str(root)), layout.step_name(step)
+    store, name = open_store(layout.run_ckpt_url(run_dir)), layout.step_name(step)
     manifest, why = layout.check(store, name) if name in store.list_dirs("") else (None, "no such checkpoint")
     if manifest is not None:
         try:
@@ -141,7 +140,7 @@ def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
         except (CorruptCheckpoint, StorageError) as exc:
             why = str(exc)
     steps = [s for s, _ in layout.committed_steps(store)]
-    raise UserError(f"{root / name}: {why} (checkpoints of {run_dir}: {', '.join(map(str, steps)) or 'none'})")
+    raise UserError(f"{store.url}/{name}: {why} (checkpoints of {run_dir}: {', '.join(map(str, steps)) or 'none'})")
 
 
 def run_config_of(run_dir: str | os.PathLike, ckpt: CheckpointData) -> dict[str, Any]:

@@ -13,6 +13,12 @@ rank in ``__init__``), so they never interleave with the main thread's collectiv
 5. rank 0 writes the small files, then ``manifest.json`` (the commit), then ``latest``, applies
    retention, and tells every rank the result. On any failure it removes the step's directory, so
    the last good checkpoint stays the newest, and every rank's job carries the same error.
+
+The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same protocol into a
+directory that no single rank sees whole: every rank clears and later prunes only its own files,
+and commits its part with its own marker (``local_tier.marker``) after its piece file; rank 0's
+manifest holds every rank's piece table as usual. No ``latest``: a step is complete when every
+rank's marker and rank 0's manifest exist.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from podtrain import __version__
-from podtrain.ckpt import layout
+from podtrain.ckpt import layout, local_tier
 from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import to_plain
@@ -78,9 +84,12 @@ class SaveJob:
 class CheckpointWriter:
     """One rank's background writer: its gloo group, its thread, and the write protocol."""
 
-    def __init__(self, store, cfg: CkptSection, ctx: DistContext) -> None:
-        """Every rank constructs one (it creates the background gloo group collectively)."""
+    def __init__(self, store, cfg: CkptSection, ctx: DistContext, local: bool = False) -> None:
+        """Every rank constructs one (it creates the background gloo group collectively);
+        ``local``: the node-local tier (see the module docstring)."""
         self.store = store
+        self.local = local
+        self.tier = "local" if local else "durable"
         self.cfg = cfg
         self.ctx = ctx
         self.group = None
@@ -126,8 +135,8 @@ class CheckpointWriter:
                                   "bytes": job.nbytes}
                 if self.ctx.is_main:
                     mb = job.nbytes / 1e6
-                    log.info("checkpoint step %d durable: %.1f MB written by %d rank(s) in %.2f s "
-                             "(%.0f MB/s); the step loop stalled %.3f s", job.step, mb,
+                    log.info("checkpoint step %d %s: %.1f MB written by %d rank(s) in %.2f s "
+                             "(%.0f MB/s); the step loop stalled %.3f s", job.step, self.tier, mb,
                              self.ctx.world_size, job.write_s, mb / max(job.write_s, 1e-9), job.stall_s)
             job.done.set()
 
@@ -141,22 +150,34 @@ class CheckpointWriter:
     def _write_collectively(self, job: SaveJob) -> None:
         name = layout.step_name(job.step)
         rngs = self._all_gather(job.rng)
-        error = self._outcome(self._prepare, name) if self.ctx.is_main else None
-        error = self._broadcast(error)
+        if self.local:  # nobody sees the whole tier: each rank clears its own files
+            error = next((e for e in self._all_gather(self._outcome(local_tier.clear, self.store, name,
+                                                                    self.ctx.rank)) if e), None)
+        else:
+            error = self._broadcast(self._outcome(self._prepare, name) if self.ctx.is_main else None)
         out: dict[str, Any] = {}
         if error is None and job.stream is not None:
             error = self._outcome(self._write_own, job, name, out)
+        if error is None and self.local:
+            error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
+                                  self.ctx.world_size, out.get("record"))
         reports = self._all_gather((error, out.get("record")))
         error = next((e for e, _ in reports if e), None)
         if self.ctx.is_main:
             if error is None:
                 error = self._outcome(self._commit, job, name, rngs, [r for _, r in reports])
-            if error is not None:
+            if error is not None and not self.local:
                 self._outcome(layout.remove, self.store, name)  # no half-written checkpoint stays
         error = self._broadcast(error)
+        if self.local:
+            if error is not None:
+                self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
+            else:
+                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep)
         if error is not None:
             user, message = error
-            raise (SaveFailed if user else RuntimeError)(f"checkpoint of step {job.step} failed: {message}")
+            raise (SaveFailed if user else RuntimeError)(f"{self.tier} checkpoint of step {job.step} "
+                                                         f"failed: {message}")
 
     def _outcome(self, fn, *args) -> tuple[bool, str] | None:
         """None when ``fn(*args)`` succeeds, else ``(is a user/storage error, one line naming the rank)``."""
@@ -202,9 +223,10 @@ class CheckpointWriter:
                     "world_size": self.ctx.world_size, "strategy": job.strategy, "created": time.time(),
                     "tensors": job.tensors, "files": files}
         self.store.write_bytes(f"{name}/{layout.MANIFEST}", json.dumps(manifest, separators=(",", ":")).encode())
-        layout.write_latest(self.store, name)
         job.nbytes = sum(r["bytes"] for r in files.values())
-        layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every)
+        if not self.local:  # the local tier: every rank prunes its own files (above)
+            layout.write_latest(self.store, name)
+            layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.group is None:

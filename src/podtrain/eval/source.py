@@ -54,9 +54,18 @@ def load_source(path: Path, step: int | None, data: Path | None, ctx: DistContex
 
 
 def _latest_step(run_dir: Path, step: int | None) -> int:
-    from podtrain.ckpt.reader import load_latest
+    """``step``, else the newest valid checkpoint's (its manifest and a listing: no tensor read)."""
+    from podtrain.ckpt import layout
+    from podtrain.ckpt.store import open_store
 
-    return step if step is not None else load_latest(run_dir).step
+    if step is not None:
+        return step
+    store = open_store(layout.run_ckpt_url(run_dir))
+    found = layout.find_latest(store).step
+    if found is None:
+        raise UserError(f"run directory {run_dir} has no complete checkpoint under {store.url} "
+                        "(train first, or check the path)")
+    return found
 
 
 def _load_run(run_dir: Path, step: int, data: Path | None) -> Source:

@@ -30,6 +30,7 @@ core Kubernetes pod template.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="job name (default: podtrain-RUN)")
     parser.add_argument("--namespace", default=None,
                         help="namespace (default: kubeflow with --hyperpod-auto-resume, else none)")
+    parser.add_argument("--service-account", default=None, metavar="NAME",
+                        help="the pods' Kubernetes service account: S3 credentials through IRSA or "
+                             "EKS Pod Identity (no secret in the manifest)")
     parser.add_argument("--pvc", default=None, help="shared-storage claim (e.g. FSx) for the run")
     parser.add_argument("--mount", default="/fsx", help="where the claim is mounted (default /fsx)")
     parser.add_argument("--shm-size", default="32Gi", help="memory-backed /dev/shm size (default 32Gi)")
@@ -270,6 +274,8 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
         # timeout (ckpt.grace_s), so the workers' checkpoint finishes and torchrun exits itself.
         "terminationGracePeriodSeconds": kill_grace_s(spec.cfg.ckpt.grace_s),
     }
+    if getattr(args, "service_account", None):
+        pod_spec["serviceAccountName"] = service_account(args.service_account)
     if spec.instance is not None:
         itype = spec.instance.name
         pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type":
@@ -279,6 +285,18 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
             "nodeSelectorTerms": [{"matchExpressions": [
                 {"key": HEALTH_LABEL, "operator": "In", "values": ["Schedulable"]}]}]}}}
     return {"metadata": {"labels": {"app.kubernetes.io/name": "podtrain"}}, "spec": pod_spec}
+
+
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def service_account(name: str) -> str:
+    """``--service-account NAME`` checked as Kubernetes checks it (a DNS subdomain, at most 253
+    characters): the pods get AWS credentials from it through IRSA or EKS Pod Identity."""
+    if len(name) > 253 or not _SUBDOMAIN.match(name):
+        raise UserError(f"--service-account {name!r} is not a valid Kubernetes name (lower case "
+                        "letters, digits, '-' and '.', starting and ending with a letter or digit)")
+    return name
 
 
 def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from podtrain.ckpt.layout import CKPT_SUBDIR, list_checkpoints, step_name
+from podtrain.ckpt.layout import list_checkpoints, run_ckpt_url, step_name
 from podtrain.distributed.watchdog import HANG_EXIT_CODE
 from podtrain.errors import USER_ERROR_EXIT_CODE, UserError
 from podtrain.launch.exit_report import ExitReport, job_exit, torchrun_exit_codes
@@ -85,7 +85,10 @@ def stop_line(run_dir: Path, code: int, reports: dict[int, ExitReport]) -> str:
     else the run directory's newest complete checkpoint."""
     name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"exit {code}"
     steps = [r.step for r in reports.values() if r.code >= 128 and r.step is not None]
-    saved = list_checkpoints(run_dir / CKPT_SUBDIR)
+    try:
+        saved = list_checkpoints(run_ckpt_url(run_dir))
+    except UserError:  # S3 unreachable from the launcher: the ranks' reports still name the step
+        saved = []
     if steps and any(step == max(steps) for step, _ in saved):
         step = max(steps)
     elif saved:

@@ -303,8 +303,8 @@ class Trainer:
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
             if self.evals.due(self.step, last):
                 interval.exclude(self.goodput.add("eval", self._evaluate(last)))
-            if self.saves.should_save(self.step, total):
-                interval.exclude(self._save())
+            if tier := saving.due(self, total):
+                interval.exclude(saving.save(self, tier))
         self.stop_signal.drain()
         self._summary()
         return self.result

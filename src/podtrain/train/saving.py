@@ -28,8 +28,16 @@ def train_state(trainer: Any) -> dict[str, Any]:
             "tokenizer": tokenizer_identity(trainer.loader.manifest.tokenizer)}
 
 
-def save(trainer: Any) -> float:
-    """Checkpoint this step (every rank); returns the step loop's stall in seconds.
+def due(trainer: Any, total: int) -> str | None:
+    """Which tier this step saves to: "durable" (``ckpt.every``, the last step), "local"
+    (``ckpt.local_every``), or None."""
+    if trainer.saves.should_save(trainer.step, total):
+        return "durable"
+    return "local" if trainer.checkpointer.local_due(trainer.step) else None
+
+
+def save(trainer: Any, tier: str = "durable") -> float:
+    """Checkpoint this step (every rank) to ``tier``; returns the step loop's stall in seconds.
 
     The stall is the host time of ``Checkpointer.save`` plus, on a GPU, the time the optimizer
     step after the previous save waited on the device for that save's copies (CUDA events, known
@@ -41,11 +49,11 @@ def save(trainer: Any) -> float:
     device_wait = trainer.checkpointer.device_stall_s()
     t0 = time.perf_counter()
     trainer.checkpointer.save(trainer.step, trainer.model, trainer.optimizer, trainer.stepper.scaler,
-                              train_state(trainer))
+                              train_state(trainer), local=tier == "local")
     host = time.perf_counter() - t0
     stall = trainer.goodput.add("save_stall", host + device_wait)
-    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "time": time.time()})
-    if trainer.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
+    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "tier": tier, "time": time.time()})
+    if trainer.saves.auto and tier == "durable":  # rank 0's measurements, so that every rank plans the same steps
         trainer.saves.saved(trainer.step, *trainer.ctx.broadcast_object((stall, trainer.goodput.step_seconds())))
     return host
 

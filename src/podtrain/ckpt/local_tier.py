@@ -1,0 +1,128 @@
+"""The fast node-local tier (``ckpt.local_dir``): what each rank holds there, and how a restart
+learns which local step every rank can restore.
+
+A node-local directory (NVMe, ``/dev/shm``) holds only the pieces of that node's ranks, so no
+single rank can see a local checkpoint whole and rank 0's manifest alone cannot commit it. The
+layout is the durable one (``podtrain.ckpt.layout``), plus one marker per rank::
+
+    LOCAL_DIR/step_000120/rank_00003.safetensors   rank 3's pieces (as in the durable tier)
+    LOCAL_DIR/step_000120/rank_00003.json          rank 3's commit: written after its piece file
+    LOCAL_DIR/step_000120/manifest.json, state.*   rank 0's node only: the full manifest, small state
+
+A step is complete when EVERY rank holds its marker and rank 0 holds the manifest: at start every
+rank lists the steps it holds (``held_steps``), one all_gather intersects them, and rank 0
+restores the newest common step when it is at least as new as the newest durable checkpoint
+(broadcasting the manifest and the small files, which only its node has: ``WithSmallFiles``).
+Each rank then reads its own pieces from its own disk, which works when the world size and the
+strategy are the saved ones (a rank needing another node's file finds it missing: every rank
+then falls back to the durable tier together). Every rank clears and prunes only its own files,
+so ranks sharing a node's directory never delete each other's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from podtrain.ckpt import layout
+from podtrain.ckpt.store import NotFound, StorageError
+
+log = logging.getLogger("podtrain.checkpoint")
+
+_RANK0_FILES = (layout.MANIFEST, layout.STATE_FILE, layout.STATE_JSON, layout.CONFIG_JSON)
+SMALL_FILES = (layout.STATE_FILE, layout.STATE_JSON)
+"""The files a restore reads besides the pieces (rank 0 broadcasts them)."""
+
+
+def marker(rank: int) -> str:
+    """The name of rank ``rank``'s commit marker in a local step directory."""
+    return f"rank_{rank:05d}.json"
+
+
+def own_files(rank: int) -> list[str]:
+    """The files of one step that rank ``rank`` writes in the local tier (its marker first)."""
+    return [marker(rank), layout.rank_file(rank), *(_RANK0_FILES if rank == 0 else ())]
+
+
+def write_marker(store, name: str, rank: int, world: int, record: tuple | None) -> None:
+    """Commit this rank's part of local step ``name`` (after its piece file is in place)."""
+    body = {"world_size": world, "file": record[0] if record else None,
+            "bytes": record[1]["bytes"] if record else 0}
+    store.write_bytes(f"{name}/{marker(rank)}", json.dumps(body).encode())
+
+
+def clear(store, name: str, rank: int) -> None:
+    """Remove this rank's files of step ``name`` (marker first, temporaries of killed writes too)."""
+    for rel in own_files(rank):
+        store.delete(f"{name}/{rel}")
+        store.delete_prefix(f"{name}/.{rel}.")  # a killed writer's temporary ('.NAME.XXXX.tmp')
+    path = store.local_path(name)
+    try:
+        path.rmdir()  # the last rank of the node to leave removes the directory
+    except OSError:
+        pass
+
+
+def _own_steps(store, rank: int) -> list[tuple[int, str]]:
+    return sorted((s, n) for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None
+                  and store.exists(f"{n}/{marker(rank)}"))
+
+
+def held_steps(store, rank: int, world: int) -> list[int]:
+    """Local steps whose part this rank holds for a run of ``world`` ranks: its marker, its piece
+    file at the marked size, and on rank 0 the manifest. Unfinished parts are removed first."""
+    for name in store.list_dirs(""):
+        if layout.parse_step(name) is not None and not store.exists(f"{name}/{marker(rank)}"):
+            clear(store, name, rank)
+    held = []
+    for step, name in _own_steps(store, rank):
+        try:
+            body = json.loads(store.read_bytes(f"{name}/{marker(rank)}"))
+            ok = body.get("world_size") == world and (
+                body.get("file") is None or store.size(f"{name}/{body['file']}") == body.get("bytes"))
+            if ok and rank == 0:
+                ok = layout.read_manifest(store, name).get("world_size") == world
+        except (ValueError, NotFound, StorageError, AttributeError) as exc:
+            log.warning("local checkpoint %s/%s is not usable on rank %d: %s", store.url, name, rank, exc)
+            ok = False
+        if ok:
+            held.append(step)
+    return held
+
+
+def newest_common(held_by_rank: list[list[int]]) -> int | None:
+    """The newest step every rank holds (pure)."""
+    common = set(held_by_rank[0]) if held_by_rank else set()
+    for held in held_by_rank[1:]:
+        common &= set(held)
+    return max(common) if common else None
+
+
+def prune(store, rank: int, current: int, keep: int) -> None:
+    """After local step ``current``: this rank keeps its newest ``keep`` parts at or below it and
+    drops the rest (parts above it belong to a timeline this run left: the local tier is a cache,
+    nothing to move aside). A failure is a warning: the save itself succeeded."""
+    try:
+        steps = [s for s, _ in _own_steps(store, rank)]
+        delete, abandon = layout.retention_plan(steps, current, keep, 0)
+        for step in delete + abandon:
+            clear(store, layout.step_name(step), rank)
+    except (OSError, StorageError) as exc:
+        log.warning("pruning the local checkpoints under %s failed on rank %d: %s", store.url, rank, exc)
+
+
+class WithSmallFiles:
+    """A local store whose small files are served from bytes rank 0 broadcast (they exist only
+    on rank 0's node); everything else, this rank's pieces above all, from its own disk."""
+
+    def __init__(self, store, files: dict[str, bytes]) -> None:
+        self._store = store
+        self._files = files
+        self.url = store.url
+
+    def read_bytes(self, name: str) -> bytes:
+        """A broadcast file, else the file on this node."""
+        return self._files[name] if name in self._files else self._store.read_bytes(name)
+
+    def __getattr__(self, attr):
+        return getattr(self._store, attr)
