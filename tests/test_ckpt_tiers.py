@@ -1,9 +1,13 @@
 """Checkpoint tiers: the node-local tier on real ranks (forked, gloo; each rank's "node" its own
-directory, so no rank can read another's pieces), and S3 checkpoints through the store against
-the local S3 server (the kill -9 golden resume on S3 is in test_resume.py)."""
+directory, so no rank can read another's pieces), and S3 checkpoints against the local S3 server:
+through the store, and a real ``podtrain train`` killed with SIGKILL, rerun, compared with an
+uninterrupted run (forked children, no torchrun)."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import os
 import shutil
 from pathlib import Path
 
@@ -104,6 +108,8 @@ def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_on
         assert all(torch.equal(weights[k], saved[5][k]) for k in saved[5])
         assert 0 < nbytes <= 0.6 * sum(v.numel() * 4 for v in saved[5].values()) * 3  # its own share
     assert not (node0 / "step_000006").exists()
+    (step, path, _, _), = run_ranks(_resume_rank, 1, base)  # 1 rank: the local parts are for 2
+    assert step == 2 and "/run/ckpt/" in path
 
     shutil.rmtree(node1 / "step_000005")  # rank 1's copy of step 5 is gone: step 4 is common
     assert [r[0] for r in run_ranks(_resume_rank, 2, base)] == [4, 4]
@@ -115,11 +121,7 @@ def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_on
         assert all(torch.equal(weights[k], saved[2][k]) for k in saved[2])
 
 
-def test_local_tier_needs_the_saved_world_size_and_valid_config(tmp_path):
-    base = str(tmp_path)
-    run_ranks(_save_rank, 2, base)
-    (step, path, _, _), = run_ranks(_resume_rank, 1, base)  # 1 rank: local parts are for 2
-    assert step == 2 and "/run/ckpt/" in path
+def test_newest_common_local_step_and_tier_config_errors():
     assert local_tier.newest_common([[3, 4, 5], [4, 5], [5, 4]]) == 5
     assert local_tier.newest_common([[3, 4], [5]]) is None
     for bad, message in ((["ckpt.local_dir=/dev/shm/x"], "go together"),
@@ -164,3 +166,59 @@ def test_s3_checkpoints_explicit_resume_listing_and_superseded_timeline(tmp_path
     assert all(torch.equal(again.state_dict()[k], fresh.state_dict()[k]) for k in weights[2])
     with pytest.raises(UserError, match="neither a checkpoint"):
         layout.resolve_resume(f"s3://{s3_bucket}/nothing-here")
+
+
+# -- kill -9 mid-run with ckpt.dir on S3: the same losses as an uninterrupted run ----------------------
+TRAIN = ["data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=2", "log.progress=plain",
+         "monitor.watchdog=false", "eval.every=0", "log.every=1", "optim.warmup_steps=2",
+         "monitor.straggler_every=0", "train.steps=6", "log.peak_flops=1e12", "log.trackers=none"]
+
+
+def _train_child(args: list[str], fault: str | None) -> None:
+    from fault_plugin.podtrain_faults import install
+
+    from podtrain.cli import main
+
+    if fault:
+        install(fault)
+    os._exit(main(["train", "configs/demo.yaml", *args]))
+
+
+def _forked_train(*args: str, fault: str | None = None) -> int:
+    """One real ``podtrain train`` (one rank) in a forked child, which a fault may kill -9."""
+    proc = mp.get_context("fork").Process(target=_train_child, args=(list(args), fault))
+    proc.start()
+    proc.join(120)
+    return proc.exitcode
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_s3_kill9_mid_run_then_rerun_gives_the_losses_and_weights_of_an_uninterrupted_run(
+        tmp_path, s3_bucket, s3_server, repo, monkeypatch):
+    from s3_server import TEST_SECRET
+    from synthetic_data import make_data_dir
+
+    from podtrain.ckpt.reader import load_latest_weights
+
+    monkeypatch.chdir(repo)
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+    golden, run, url = tmp_path / "golden", tmp_path / "run", f"s3://{s3_bucket}/team/ckpt"
+    assert _forked_train(f"data.path={data}", f"run.dir={golden}", *TRAIN, "ckpt.every=0") == 0
+    # step 3 is on S3 when step 4 starts (a foreground save); killed 50 ms into step 5
+    on_s3 = (f"data.path={data}", f"run.dir={run}", f"ckpt.dir={url}", *TRAIN, "ckpt.every=3", "ckpt.async_save=false")
+    assert _forked_train(*on_s3, fault="kill:rank=0,step=4,delay=0.05") == -9
+    assert _forked_train(*on_s3) == 0
+    resumed = [r["step"] for r in _records(run) if r.get("kind") == "segment" and r.get("resumed")]
+    assert resumed == [3], resumed
+    expected = {r["step"]: r["loss"] for r in _records(golden) if r.get("kind") == "train"}
+    got = {r["step"]: r["loss"] for r in _records(run) if r.get("kind") == "train"}  # the last of each
+    assert got == expected
+    _, weights, step = load_latest_weights(run)  # through config.yaml's ckpt.dir: from S3
+    _, golden_weights, _ = load_latest_weights(golden)
+    assert step == 6 and all(torch.equal(weights[k], golden_weights[k]) for k in golden_weights)
+    assert not (run / "ckpt").exists() and any(k.startswith("team/ckpt/step_000006/") for k in s3_server.keys(s3_bucket))
+    for path in run.rglob("*"):  # the environment holds the secret; no file of the run does
+        assert not path.is_file() or TEST_SECRET.encode() not in path.read_bytes(), path
