@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from podtrain.data.loader import ShardedLoader, epoch_permutation, validation_ids
+from podtrain.data.loader import ShardedLoader
+from podtrain.data.samples import epoch_permutation, validation_ids
 from podtrain.data.manifest import read_manifest
 from podtrain.errors import UserError
 from synthetic_data import make_data_dir
@@ -116,3 +117,35 @@ def test_resume_with_another_seed_is_refused(tmp_path):
     other = ShardedLoader(data, SEQ, GLOBAL, MICRO, 0, 1, seed=6)
     with pytest.raises(UserError, match="run.seed is 6 but the checkpoint's data order was made with seed 5"):
         other.load_state_dict(state)
+
+
+def test_a_producer_stuck_in_a_slow_read_ends_once_the_read_returns(tmp_path):
+    """A slow read injected into the producer (issue 19.7): close() cannot join it, a new stream
+    starts, and the stuck producer must still end when its read returns instead of running on
+    into the orphaned queue (one stop Event shared by the streams kept it going)."""
+    import threading
+
+    ld = loader(make_data_dir(tmp_path / "d"), 0, 1)
+    ld.join_timeout_s = 0.05
+    gate, stuck, real_gather, calls = threading.Event(), threading.Event(), ld.index.gather, []
+
+    def slow_gather(ids):
+        calls.append(threading.current_thread())
+        if calls[0] is threading.current_thread() and len(calls) == 3:  # the first producer, 3rd batch
+            stuck.set()
+            gate.wait(20)
+        return real_gather(ids)
+
+    ld.index.gather = slow_gather
+    first = ld.next()
+    producer = ld._thread
+    assert stuck.wait(10)
+    ld.close()  # gives up joining after join_timeout_s: the producer is in its read
+    assert producer.is_alive()
+    second = ld.next()  # a new stream with its own producer
+    assert second.consumed == first.consumed + GLOBAL
+    gate.set()
+    producer.join(timeout=5)
+    alive = producer.is_alive()
+    ld.close()
+    assert not alive, "the first stream's producer kept running after close()"

@@ -95,6 +95,13 @@ class Manifest:
                 for s in self.raw["splits"][split]["shards"]]
 
 
+def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
+    """A short, comparable name of a data manifest's tokenizer: kind, name, vocabulary, hash."""
+    digest = str(tokenizer.get("sha256") or "")[:12]
+    return f"{tokenizer.get('kind')}:{tokenizer.get('name')}:{tokenizer.get('vocab_size')}" + (
+        f":{digest}" if digest else "")
+
+
 def read_manifest(data_dir: str | Path) -> Manifest:
     """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error."""
     root = Path(data_dir)

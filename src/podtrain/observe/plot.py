@@ -1,8 +1,9 @@
 """``podtrain plot RUN_DIR... [--out FILE.png|FILE.html]``: a run's curves in one picture.
 
-Six panels against tokens seen: training and validation loss, learning rate, gradient norm,
-tokens/s, MFU and data wait; several run directories are overlaid, one colour each, and every
-restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
+Eight panels against tokens seen: training and validation loss, learning rate, gradient norm,
+tokens/s, MFU, data wait, and per data source (``data.mix``) the tokens trained and the validation
+loss; several run directories are overlaid, one colour each (sources: one line style each), and
+every restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
 ``observe/records.py``. ``.html`` writes one self-contained file: the PNG embedded plus a table of
 each run's final numbers. Needs matplotlib (``pip install 'podtrain[plot]'``).
 """
@@ -28,6 +29,12 @@ PANELS: tuple[tuple[str, str, float, str], ...] = (
     ("MFU", "mfu", 100.0, "% of peak"),
     ("data wait", "data_wait_s", 1000.0, "ms per step"),
 )
+# (panel title, record kind, per-source field, y label): one line per source
+SOURCE_PANELS: tuple[tuple[str, str, str, str], ...] = (
+    ("tokens by source", "train", "tokens_by_source", "tokens trained"),
+    ("validation loss by source", "eval", "val_loss_by_source", "nats/token"),
+)
+SOURCE_STYLES = ("-", "--", "-.", ":")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,13 +80,38 @@ def _series(records: list[dict[str, Any]], key: str, scale: float) -> tuple[list
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _source_series(records: list[dict[str, Any]], field: str) -> dict[str, tuple[list[float], list[float]]]:
+    """``{source: (tokens seen, value)}`` of a per-source field."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for r in records:
+        for name, value in (r.get(field) or {}).items():
+            if value is not None and r.get("tokens_seen") is not None:
+                xs, ys = out.setdefault(name, ([], []))
+                xs.append(r["tokens_seen"])
+                ys.append(value)
+    return out
+
+
+def _draw_sources(ax, records: RunRecords, kind: str, field: str, colour: str, name: str) -> None:
+    for j, (source, (xs, ys)) in enumerate(_source_series(getattr(records, kind), field).items()):
+        ax.plot(xs, ys, color=colour, lw=1.4, ls=SOURCE_STYLES[j % len(SOURCE_STYLES)], label=f"{name} {source}")
+
+
 def render_png(runs: list[RunRecords]) -> bytes:
-    """The six panels as PNG bytes (one colour per run, restarts dotted)."""
+    """The eight panels as PNG bytes (one colour per run, restarts dotted)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, records in enumerate(runs):
         colour, name = colours[i % len(colours)], _label(records, runs)
+        for ax, (title, kind, field, unit) in zip(axes.flat[len(PANELS):], SOURCE_PANELS):
+            _draw_sources(ax, records, kind, field, colour, name)
+            ax.set_title(title)
+            ax.set_xlabel("tokens seen")
+            ax.set_ylabel(unit)
+            ax.grid(True, alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
         for ax, (title, key, scale, unit) in zip(axes.flat, PANELS):
             xs, ys = _series(records.train, key, scale)
             ax.plot(xs, ys, color=colour, lw=1.4, label=f"{name} train" if key == "loss" else name)

@@ -26,7 +26,7 @@ from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
-from podtrain.data.manifest import verify_shards
+from podtrain.data.mixture import ledger_fields, ledger_line
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
 from podtrain.distributed.health import write_verdict
@@ -41,7 +41,7 @@ from podtrain.observe.hardware import max_memory_bytes, peak_flops
 from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
-from podtrain.train.evaluate import evaluate
+from podtrain.train.evaluate import evaluate_sources
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.guard import Guard, StepJudge, weights_finite
@@ -50,7 +50,7 @@ from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
-from podtrain.train.resume import tokenizer_identity
+from podtrain.data.manifest import tokenizer_identity
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
@@ -124,7 +124,7 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
-        self.val_index = None
+        self.val_indexes: dict = {}
         self.accum = 1
         self.accumulate_unsharded = True
         self.precision = None
@@ -161,7 +161,7 @@ class Trainer:
         self._start_watchdog()
         ctx.agree_on(self._setup_local)
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
-            ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
+            ctx.agree_on(lambda: self.loader.sources.verify(part=(ctx.rank, ctx.world_size)))
         if cfg.dist.strategy == "ddp":  # fsdp/hsdp: every rank's shards come from rank 0's model
             check_replicas(self.model, ctx, before_ddp=True)
         # Every rank must accumulate the same way (FSDP's collectives differ): unsharded only
@@ -180,7 +180,6 @@ class Trainer:
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
-        if ctx.is_main:
             self.goodput.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
                                         to_dict(cfg), self.step, self.tokens_seen)
@@ -195,10 +194,10 @@ class Trainer:
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
         self.loader = ShardedLoader(
-            cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            None, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
-            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
-        self.val_index = checked.val_index
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
+        self.val_indexes = checked.val_indexes
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
                                                         cfg.run.seed, cfg.dist.strategy, ctx)
@@ -256,7 +255,7 @@ class Trainer:
                  "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
                  self.accum, cfg.train.micro_batch_size)
-        log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
+        log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),
                  self.loader.samples_per_epoch, self.run_dir)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -295,7 +294,7 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-            if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
+            if cfg.eval.every and self.val_indexes and (self.step % cfg.eval.every == 0 or last):
                 interval.exclude(self.goodput.add("eval", self._evaluate()))
             if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
@@ -314,6 +313,7 @@ class Trainer:
             return
         self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
         self.progress.note(self.goodput.summary_line())
+        self.progress.note(ledger_line(self.loader.ledger()))
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
@@ -335,6 +335,7 @@ class Trainer:
             flops_per_token=self.size.flops_per_token, world_size=self.ctx.world_size, peak=self.peak,
             sync_total_s=self.stepper.clock.total_sync_wait_s, max_mem_bytes=max_memory_bytes(self.ctx.device),
             tokens_seen=self.tokens_seen, epoch=self.loader.epoch, run_id=self.run_id)
+        record.update(ledger_fields(self.loader.ledger()))
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
@@ -362,11 +363,13 @@ class Trainer:
 
     def _evaluate(self) -> float:
         t0 = time.perf_counter()
-        val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
-                       self.cfg.eval.max_batches, self.stepper.precision)
+        val, by_source = evaluate_sources(self.model, self.val_indexes, self.loader.sources.weights, self.ctx,
+                                          self.cfg.train.micro_batch_size, self.cfg.eval.max_batches,
+                                          self.stepper.precision)
         self.result.val_loss = val
         record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
-                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time()}
+                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time(),
+                  **self.loader.sources.by_source("val_loss", by_source)}
         self.metrics.write(record)
         self.progress.note(f"step {self.step}: validation loss {val:.4f}")
         return time.perf_counter() - t0

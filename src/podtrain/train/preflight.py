@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from podtrain.config import RunConfig, accumulation_steps
-from podtrain.data.loader import SampleIndex
-from podtrain.data.manifest import check_vocab, read_manifest
+from podtrain.data.samples import SampleIndex
+from podtrain.data.sources import DataSources
 from podtrain.errors import UserError
 from podtrain.model import estimate_params, preset_config, round_up
 from podtrain.observe.hardware import device_memory_bytes
@@ -37,9 +37,12 @@ class CheckedRun:
     manifest: Any
     model_config: Any
     accum: int
-    val_index: SampleIndex | None
+    val_indexes: dict[str, SampleIndex]
+    """Each source's validation samples (sources without a val split, or eval.every=0: none)."""
     accumulate_unsharded: bool = True
     """fsdp/hsdp: gradients accumulate unsharded between micro-batches (``accumulates_unsharded``)."""
+    sources: DataSources | None = None
+    """The run's data sources (``data.path`` or ``data.mix``), opened."""
 
 
 def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
@@ -51,12 +54,11 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     failure."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
-    manifest = read_manifest(cfg.data.path)
+    sources = DataSources.from_config(cfg.data)  # enough tokens, shards present and whole
+    manifest = sources.manifest
     vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-    check_vocab(manifest, vocab)
-    SampleIndex(manifest, "train", cfg.data.seq_len)  # enough tokens, shards present and whole
-    val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
-                 if cfg.eval.every and "val" in manifest.splits() else None)
+    sources.check_vocab(vocab)
+    val_indexes = sources.val_indexes() if cfg.eval.every else {}
     model_config = preset_config(cfg.model.preset, vocab)
     where = "one GPU" if device.type != "cpu" else "this rank's share of host memory"
     params = estimate_params(model_config)
@@ -72,7 +74,7 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         check_host_copy(params, device_memory_bytes(torch.device("cpu"), 1), strategy, cfg.model.memory_check)
     unsharded = accumulates_unsharded(params, device_bytes, strategy, world_size, shard,
                                       resolve_precision(cfg.train.precision, device).name)
-    return CheckedRun(manifest, model_config, accum, val_index, unsharded)
+    return CheckedRun(manifest, model_config, accum, val_indexes, unsharded, sources)
 
 
 def state_bytes_per_rank(params: int, strategy: str, world_size: int, shard_size: int) -> int:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from podtrain.data.manifest import tokenizer_identity
 from podtrain.errors import UserError
 from podtrain.train.guard import Rollback
 from podtrain.train.replicas import check_replicas
-from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters, tokenizer_identity
+from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters
 
 log = logging.getLogger("podtrain")
 

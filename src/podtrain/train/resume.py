@@ -28,13 +28,6 @@ log = logging.getLogger("podtrain")
 _NOT_COMPARED = ("run.dir", "ckpt.resume", "ckpt.allow_changes")
 
 
-def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
-    """A short, comparable name of a data manifest's tokenizer: kind, name, vocabulary, hash."""
-    digest = str(tokenizer.get("sha256") or "")[:12]
-    return f"{tokenizer.get('kind')}:{tokenizer.get('name')}:{tokenizer.get('vocab_size')}" + (
-        f":{digest}" if digest else "")
-
-
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
     """``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}`` (the config's dotted keys)."""
     return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
