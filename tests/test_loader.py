@@ -149,3 +149,29 @@ def test_a_producer_stuck_in_a_slow_read_ends_once_the_read_returns(tmp_path):
     alive = producer.is_alive()
     ld.close()
     assert not alive, "the first stream's producer kept running after close()"
+
+
+def test_token_ids_beyond_the_vocabulary_are_one_line_at_start_and_when_read(tmp_path):
+    """Issue 19.17: the manifest's max_token_id is checked at start; a shard changed after
+    prepare (data.verify=false skips its checksum) is named when a batch reads it, not an
+    embedding IndexError on every rank."""
+    import json
+
+    from podtrain.data.mixture import parse_mix
+    from podtrain.data.sources import DataSources
+
+    data = make_data_dir(tmp_path / "d")
+    raw = json.loads((data / "manifest.json").read_text())
+    raw["splits"]["train"]["shards"][1]["max_token_id"] = 300  # ids past the tokenizer's vocab_size
+    (data / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="train_00001.bin holds token id 300, at or above the model's vocabulary size 280"):
+        DataSources(parse_mix([], str(data)), SEQ).check_vocab(280)
+    tokens = np.fromfile(data / "train_00000.bin", dtype=np.uint16)
+    tokens[40] = 1000
+    tokens.tofile(data / "train_00000.bin")
+    sources = DataSources(parse_mix([], str(data)), SEQ)
+    sources.check_vocab(320)
+    sources.indexes[0].gather(np.arange(2))  # samples before the changed token read fine
+    with pytest.raises(UserError, match="train_00000.bin holds token id 1000, at or above the model's "
+                                        "vocabulary size 320; its manifest says at most 255"):
+        sources.indexes[0].gather(np.arange(5))

@@ -124,3 +124,18 @@ def test_loader_ledger_and_resume_at_another_world_size(tmp_path):
     assert pair[0].state_dict()["ledger"] == state["ledger"]
     for ld in pair:
         ld.close()
+
+
+def test_a_changed_mix_on_resume_is_refused_unless_allowed(caplog):
+    from podtrain.config import load_config, to_dict
+    from podtrain.train.resume import check_resume
+
+    before = load_config(None, ["data.mix=[{path: d/web, weight: 3}, {path: d/code, weight: 1}]"])
+    saved = {"config": to_dict(before)}
+    now = ["data.mix=[{path: d/web, weight: 1}, {path: d/code, weight: 1}]"]
+    with pytest.raises(UserError, match=r"data.mix was .* ckpt.allow_changes=\[data.mix\]"):
+        check_resume(saved, load_config(None, now), None, 3, "ckpt/step_000003")
+    caplog.set_level("WARNING", logger="podtrain")
+    check_resume(saved, load_config(None, now + ["ckpt.allow_changes=[data.mix]"]), None, 3, "ckpt/step_000003")
+    assert [r.message for r in caplog.records if "data.mix" in r.message][0].startswith(
+        "resuming with data.mix changed from")

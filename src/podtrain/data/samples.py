@@ -17,6 +17,7 @@ class SampleIndex:
         self.shards = manifest.shards(split)
         self.dtype = manifest.dtype
         self._arrays: list[np.memmap] | None = None  # opened lazily: memmaps do not survive fork well
+        self.vocab_limit: int | None = None  # set by DataSources.check_vocab: ids must be below it
         counts = []
         for shard in self.shards:
             if not shard.path.is_file():
@@ -45,7 +46,23 @@ class SampleIndex:
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
         for row, (shard, start) in enumerate(zip(shard_of, starts)):
             out[row] = arrays[shard][start:start + self.seq_len + 1]
+        if self.vocab_limit is not None and len(out):
+            self._check_ids(out, shard_of)
         return out
+
+    def _check_ids(self, rows: np.ndarray, shard_of: np.ndarray) -> None:
+        """One line instead of an embedding's IndexError on every rank: a shard changed after
+        prepare (its manifest's ``max_token_id`` checked at start says otherwise) holds an id the
+        model has no row for. One max over the batch, in the loader's thread."""
+        row_max = rows.max(axis=1)
+        bad = np.flatnonzero(row_max >= self.vocab_limit)
+        if bad.size:
+            shard = self.shards[int(shard_of[bad[0]])]
+            recorded = (f"its manifest says at most {shard.max_token_id}: the shard changed after prepare"
+                        if shard.max_token_id is not None else "its manifest records no max_token_id")
+            raise UserError(f"shard {shard.path} holds token id {int(row_max[bad[0]])}, at or above the model's "
+                            f"vocabulary size {self.vocab_limit}; {recorded} (data.verify=true checks the "
+                            "shards at start); prepare the data again")
 
     def __getstate__(self):  # workers and forks reopen their own memmaps
         state = self.__dict__.copy()

@@ -71,6 +71,7 @@ class DataSources:
         self.manifests = list(manifests) if manifests is not None else [read_manifest(s.path) for s in self.specs]
         check_one_tokenizer(self.specs, self.manifests)
         self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
+        self.vocab_limit: int | None = None  # the model's vocabulary, once check_vocab has run
 
     @classmethod
     def from_config(cls, data, split: str = "train") -> "DataSources":
@@ -98,9 +99,13 @@ class DataSources:
         return self.manifests[0]
 
     def check_vocab(self, model_vocab_size: int) -> None:
-        """Every source's tokenizer and recorded ``max_token_id`` fit the model's vocabulary."""
+        """Every source's tokenizer and recorded ``max_token_id`` fit the model's vocabulary;
+        then every batch read is checked against it too (``SampleIndex.vocab_limit``)."""
         for manifest in self.manifests:
             check_vocab(manifest, model_vocab_size)
+        self.vocab_limit = model_vocab_size
+        for index in self.indexes:
+            index.vocab_limit = model_vocab_size
 
     def verify(self, part: tuple[int, int] = (0, 1)) -> None:
         """Check shard sizes and checksums of every source (``verify_shards``'s ``part``)."""
@@ -109,8 +114,11 @@ class DataSources:
 
     def val_indexes(self) -> dict[str, SampleIndex]:
         """``{name: SampleIndex}`` of the validation split of each source that has one."""
-        return {spec.name: SampleIndex(m, "val", self.seq_len)
-                for spec, m in zip(self.specs, self.manifests) if "val" in m.splits()}
+        indexes = {spec.name: SampleIndex(m, "val", self.seq_len)
+                   for spec, m in zip(self.specs, self.manifests) if "val" in m.splits()}
+        for index in indexes.values():
+            index.vocab_limit = self.vocab_limit
+        return indexes
 
     def describe(self) -> str:
         """``web (/data/web, weight 3), code (/data/code, weight 1)``; one source: its path."""
