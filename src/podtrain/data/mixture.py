@@ -84,6 +84,11 @@ def parse_mix(mix: list[Any], path: str) -> list[SourceSpec]:
     return sources
 
 
+def primary_path(mix: list[Any], path: str) -> str:
+    """The data directory whose tokenizer the run uses: the first source's (all share it)."""
+    return mix[0]["path"] if mix and isinstance(mix[0], dict) and "path" in mix[0] else str(path)
+
+
 def integer_weights(weights: Sequence[float]) -> list[int]:
     """The weights as the smallest integers in the same ratio, read as typed (0.7 -> 7/10).
 

@@ -10,6 +10,7 @@ import torch
 
 from podtrain.config import RunConfig
 from podtrain.data.manifest import MANIFEST_NAME, read_manifest
+from podtrain.data.mixture import primary_path
 from podtrain.model import attention_width, model_size, num_layers, preset_config, round_up
 from podtrain.plan.memory import ModelShape
 
@@ -19,8 +20,9 @@ def run_vocab(cfg: RunConfig) -> int | None:
     64 when the data exists, else None (the preset's own)."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
-    if (Path(cfg.data.path) / MANIFEST_NAME).is_file():
-        return round_up(read_manifest(cfg.data.path).vocab_size, 64)
+    data = primary_path(cfg.data.mix, cfg.data.path)
+    if (Path(data) / MANIFEST_NAME).is_file():
+        return round_up(read_manifest(data).vocab_size, 64)
     return None
 
 
