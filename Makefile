@@ -38,8 +38,10 @@ bench: install
 	$(PY) bench/train_throughput.py
 	$(PY) bench/loader_throughput.py
 	$(PY) bench/prepare_throughput.py
+	$(PY) bench/prepare_scale.py
 	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/checkpoint_memory.py
+	$(PY) bench/storage_throughput.py
 	$(PY) bench/collectives_overhead.py
 	$(PY) bench/fsdp_memory.py
 

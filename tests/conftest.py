@@ -19,3 +19,24 @@ REPO = Path(__file__).resolve().parents[1]
 def repo() -> Path:
     """The repository root."""
     return REPO
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (moto's ThreadedMotoServer) on 127.0.0.1 for the whole session; this process's
+    environment points at it (AWS_ENDPOINT_URL, dummy credentials, AWS_REGION) until the session ends,
+    so subprocesses inherit it. Skips when the test extra's moto[server] is not installed."""
+    pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+    pytest.importorskip("s3torchconnector", reason="s3torchconnector (the s3 extra) is not installed")
+    from s3_server import restore_env, start_with_env
+
+    server, saved = start_with_env()
+    yield server
+    server.stop()
+    restore_env(saved)
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """The name of a fresh, empty bucket on ``s3_server``."""
+    return s3_server.new_bucket()

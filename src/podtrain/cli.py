@@ -17,6 +17,7 @@ from podtrain.errors import UserError
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("prepare",): ("podtrain.data.prepare.cli", "tokenize a corpus into shards + manifest.json"),
+    ("prepare", "merge"): ("podtrain.data.prepare.merge", "join the parts of a --num-parts prepare"),
     ("train",): ("podtrain.train.loop", "train (each rank runs this under torchrun or srun)"),
     ("launch", "local"): ("podtrain.launch.local", "run torchrun on this machine"),
     ("launch", "slurm"): ("podtrain.launch.slurm", "write (and submit) a Slurm batch script"),

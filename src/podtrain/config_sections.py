@@ -31,7 +31,7 @@ class ModelSection:
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, or flash_attention_2 where installed."""
     memory_check: str = "error"
-    """When params + grads + AdamW state cannot fit one device: error, warn, or off."""
+    """When the strategy's memory (state, activations, buffers, reserve: `podtrain plan`'s) cannot fit one device: error, warn, or off."""
 
 
 @dataclass
@@ -71,7 +71,8 @@ class TrainSection:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     compile: bool = False
-    """Wrap the DDP model in torch.compile."""
+    """torch.compile each decoder block (before DDP or FSDP wrap the model; parameter names and
+    checkpoints unchanged)."""
     activation_checkpointing: str = "none"
     """none, or full: recompute each decoder layer's activations in backward (less memory,
     about a third more compute), under every dist.strategy."""

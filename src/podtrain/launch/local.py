@@ -32,6 +32,7 @@ from podtrain.distributed.env import threads_per_rank
 from podtrain.errors import UserError
 from podtrain.launch.agent_output import AgentOutput
 from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
+from podtrain.launch.jobspec import add_gpu_memory_argument
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
 from podtrain.launch.torchrun import TORCHRUN_MODULE, TRAIN_MODULE, torchrun_flags, worker_env
 
@@ -47,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument("--join-timeout", type=int, default=60,
                         help="seconds an agent waits for the others at rendezvous (default 60)")
+    add_gpu_memory_argument(parser)
 
 
 def free_port() -> int:
@@ -87,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
-    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory {args.gpu_memory:g}: give the GiB of one GPU (> 0)")
+    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc,
+                           None if args.gpu_memory is None else int(args.gpu_memory * 2**30))
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
@@ -111,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
                        output.log_path)
 
 
-def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
-    """The checks every rank would make at start (data, vocabulary, model, memory), made once
-    here: a mistake is then one line and exit code 2, not a worker failure inside torchrun."""
+def _check_before_starting(cfg, world_size: int, local_world_size: int, device_bytes: int | None) -> None:
+    """The checks every rank would make at start (data, vocabulary, model, memory: ``podtrain
+    plan``'s check, against ``device_bytes`` when given), made once here: a mistake is then one
+    line and exit code 2, not a worker failure inside torchrun."""
     from podtrain.distributed.group import resolve_backend, resolve_device
     from podtrain.train.preflight import check_run
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)
-    check_run(cfg, world_size, local_world_size, device)
+    check_run(cfg, world_size, local_world_size, device, device_bytes)

@@ -44,6 +44,7 @@ from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluate import evaluate_sources
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
+from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
 from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
@@ -97,6 +98,7 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
     env = env or ClusterEnv.detect()
     setup_logging(env.rank)
     cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
+    set_allocator_default()  # expandable segments, before CUDA starts (the user's own setting wins)
     with process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
                        collective_timeout(cfg.dist.timeout_s)) as ctx:
         trainer = Trainer(cfg, ctx)
@@ -128,6 +130,7 @@ class Trainer:
         self.accum = 1
         self.accumulate_unsharded = True
         self.precision = None
+        self.gpu_defaults = ""
         self.model: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.size = None
@@ -199,6 +202,7 @@ class Trainer:
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
         self.val_indexes = checked.val_indexes
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
+        self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
                                                         cfg.run.seed, cfg.dist.strategy, ctx)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
@@ -210,14 +214,12 @@ class Trainer:
             check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), then
-        torch.compile when asked."""
+        """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), each decoder
+        block compiled first when train.compile asks."""
         self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
-                                       self.accumulate_unsharded)
+                                       self.accumulate_unsharded, self.cfg.train.compile)
         wrapped = self.strategy.wrap(model, self.reference)
         self.reference = None  # rank 0's whole copy, no longer needed
-        if self.cfg.train.compile:
-            wrapped = torch.compile(wrapped)
         return wrapped
 
     def _setup_checkpoints(self) -> None:
@@ -248,9 +250,9 @@ class Trainer:
         if ctx.env.local_rank == 0:
             # One line per node, printed even where ranks log warnings only: the topology users got.
             print(placement_line(ctx), flush=True)
-        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s, strategy %s",
-                 __version__, ctx.world_size, ctx.backend, ctx.device.type, self.precision.name,
-                 self.strategy.describe())
+        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s, strategy %s%s", __version__,
+                 ctx.world_size, ctx.backend, ctx.device.type, self.precision.name, self.strategy.describe(),
+                 f" | {self.gpu_defaults}" if self.gpu_defaults else "")
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
                  "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
@@ -288,8 +290,7 @@ class Trainer:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
                 self._observe_straggler(batch.wait_s)
-            if self.step == 1:
-                ctx.set_timeout(collective_timeout(cfg.dist.timeout_s))  # start-up is over
+            ctx.startup_done()  # this process's first step (resumed or not): the steady-state timeout
             last = self.step == total
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)

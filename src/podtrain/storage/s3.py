@@ -1,0 +1,246 @@
+"""The S3 backend: ``s3://bucket/prefix`` through ``s3torchconnector`` (AWS's CRT-based S3 client).
+
+Writes stream into a multipart upload that is completed when the writer commits and aborted on an
+exception or when a writer is dropped, so a partial object is never visible (a process killed with
+SIGKILL leaves an incomplete upload: invisible, but billed until a bucket lifecycle rule
+``AbortIncompleteMultipartUpload`` removes it). Reads are ranged GETs straight into the caller's
+buffer. Transient failures (throttling, 5xx, dropped connections) are retried a bounded number of
+times with exponential backoff, on top of the CRT's own per-request retries. Every failure becomes a
+one-line ``StorageError`` naming the object's url and the cause; credentials never appear in it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+from podtrain.storage import s3_client
+from podtrain.storage.base import Entry, Store, Writer
+from podtrain.storage.buffers import byte_view, writable_view
+from podtrain.storage.errors import AccessDenied, NoSuchBucket, NotFound, StorageError, Transient
+from podtrain.storage.s3_config import parse_s3_url
+
+T = TypeVar("T")
+ATTEMPTS = 4
+"""Tries of one operation on a transient failure (the CRT already retries each HTTP request)."""
+BACKOFF_S = 0.25
+"""First wait between tries; doubled each time, with jitter, capped at ``BACKOFF_MAX_S``."""
+BACKOFF_MAX_S = 4.0
+DELETE_THREADS = 16
+LIST_PAGE_KEYS = 1000
+"""Keys per ListObjectsV2 page (S3's maximum); the connector follows continuation tokens."""
+
+_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
+_STATUS = re.compile(r"response_status:\s*(\d+)")
+_TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "RequestTimeTooSkewed"}
+_TRANSIENT_WORDS = ("throttl", "timeout", "timed out", "connection", "socket", "broken pipe", "reset by peer",
+                    "service unavailable", "slow down", "internal error")
+
+
+def classify(url: str, message: str) -> StorageError:
+    """The ``StorageError`` for an ``S3Exception`` message at ``url``: one line, the S3 error code and
+    message instead of the CRT's dump of headers and XML."""
+    code = (_CODE.search(message) or [None, ""])[1]
+    text = (_MESSAGE.search(message) or [None, ""])[1]
+    status = int((_STATUS.search(message) or [None, "0"])[1])
+    low = message.lower()
+    if code or status:
+        cause = f"{code or 'HTTP ' + str(status)}: {text or 'S3 request failed'}" + (f" (HTTP {status})" if status else "")
+    else:
+        cause = message.split(": ", 1)[1] if message.startswith(("Service error: ", "Client error: ")) else message
+    if code == "NoSuchBucket" or "bucket does not exist" in low:
+        return NoSuchBucket(url, "no such bucket" + (f" ({cause})" if code else ""))
+    if code in ("NoSuchKey", "NotFound") or "key does not exist" in low or "object was not found" in low:
+        return NotFound(url, "not found")
+    if code == "InvalidRange" or status == 416:
+        return StorageError(url, f"short read: the requested range is past the end of the object ({cause})")
+    if "no signing credentials" in low or "credentials" in low and "provider" in low:
+        return AccessDenied(url, "no AWS credentials found (environment, AWS_PROFILE, IRSA/EKS Pod Identity, "
+                                 "instance role)")
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken") or status == 403 \
+            or "forbidden" in low:
+        return AccessDenied(url, f"access denied ({cause})")
+    if code in _TRANSIENT_CODES or status in (500, 502, 503, 504) or any(w in low for w in _TRANSIENT_WORDS):
+        return Transient(url, cause)
+    return StorageError(url, cause)
+
+
+def with_retries(url: str, op: Callable[[], T], s3_exception: type, attempts: int = ATTEMPTS,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """``op()``, retried on transient S3 failures up to ``attempts`` tries with jittered exponential
+    backoff; any other failure, or the last transient one, raised as a one-line ``StorageError``."""
+    for attempt in range(attempts):
+        try:
+            return op()
+        except s3_exception as exc:
+            err = classify(url, str(exc))
+        if not isinstance(err, Transient) or attempt == attempts - 1:
+            if isinstance(err, Transient):
+                err = Transient(url, f"{err.cause} (gave up after {attempts} tries)")
+            raise err from None
+        sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
+class S3ObjectWriter(Writer):
+    """Streams into a multipart upload; ``commit`` completes it, ``abort`` (or an exception) aborts it."""
+
+    def __init__(self, store: "S3Store", name: str):
+        self.name, self._store, self._url = name, store, store.where(name)
+        self._upload = None
+        key = store.loc.key(name)
+        self._upload = store.call(self._url, lambda: s3_client.Upload(store.client, store.loc.bucket, key))
+        self._written = 0
+
+    def write(self, data) -> int:
+        """Append ``data`` (any bytes-like object); returns its length."""
+        if self._upload is None:
+            raise ValueError(f"{self._url}: write to a closed writer")
+        view = byte_view(data)
+        try:
+            self._upload.write(view)
+        except self._store.s3_exception as exc:
+            self.abort()
+            raise classify(self._url, str(exc)) from None
+        self._written += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self._written
+
+    def commit(self) -> None:
+        """Complete the multipart upload: the object appears whole, or (on failure) not at all."""
+        if self._upload is None:
+            raise ValueError(f"{self._url}: commit of a closed writer")
+        upload, self._upload = self._upload, None
+        try:
+            upload.complete()
+        except self._store.s3_exception as exc:
+            raise classify(self._url, str(exc)) from None
+
+    def abort(self) -> None:
+        """Abort the multipart upload; nothing becomes visible."""
+        upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.abort()
+
+
+class S3Store(Store):
+    """A ``Store`` under ``s3://bucket/prefix``."""
+
+    is_local = False
+
+    def __init__(self, url: str):
+        self.url = url
+        self.loc = parse_s3_url(url)
+        self._client = None
+        self.s3_exception = s3_client.s3_exception_type(url)  # fails now, in one line, without the extra
+        self._bucket_checked = False
+
+    @property
+    def client(self):
+        """The shared CRT client (created on first use)."""
+        if self._client is None:
+            self._client = s3_client.client_for(self.url)
+        return self._client
+
+    def call(self, url: str, op: Callable[[], T]) -> T:
+        """``op()`` with bounded retries and one-line errors naming ``url``."""
+        return with_retries(url, op, self.s3_exception)
+
+    def _not_found(self, name: str, err: NotFound) -> NotFound:
+        """``err``, or ``NoSuchBucket`` when the bucket itself is missing (HEAD cannot tell them apart)."""
+        if not self._bucket_checked:
+            self.call(self.url, lambda: next(iter(self.client.list_objects(self.loc.bucket, self.loc.prefix,
+                                                                           "/", 1))))
+            self._bucket_checked = True
+        return err
+
+    def stat(self, name: str) -> Entry:
+        """Size and ETag of ``name`` (a HEAD request)."""
+        key = self.loc.key(self.check_name(name))
+        try:
+            head = self.call(self.where(name), lambda: self.client.head_object(self.loc.bucket, key))
+            return Entry(name, head.size, head.etag)
+        except NotFound as err:
+            raise self._not_found(name, err) from None
+
+    def read_into(self, name: str, offset: int, buf) -> None:
+        """Fill ``buf`` from ``offset`` with ranged GETs; a transient failure resumes where it stopped."""
+        view = writable_view(buf)
+        key, url = self.loc.key(self.check_name(name)), self.where(name)
+        got = 0
+
+        def fetch() -> None:
+            nonlocal got
+            start = offset + got
+            for chunk in s3_client.get_range(self.client, self.loc.bucket, key, start, offset + len(view)):
+                n = min(len(chunk), len(view) - got)
+                view[got:got + n] = chunk[:n]
+                got += n
+
+        if len(view):
+            try:
+                self.call(url, fetch)
+            except NotFound as err:
+                raise self._not_found(name, err) from None
+        if got != len(view):
+            raise StorageError(url, f"short read: wanted {len(view)} bytes at offset {offset}, "
+                                    f"the object ends after {offset + got}")
+
+    def open_write(self, name: str) -> S3ObjectWriter:
+        """A writer streaming into a multipart upload of ``name``."""
+        return S3ObjectWriter(self, self.check_name(name))
+
+    def write_bytes(self, name: str, data) -> None:
+        """Upload ``data`` to ``name`` atomically, retrying the whole upload on a transient failure."""
+        url = self.where(name)
+        for attempt in range(ATTEMPTS):
+            try:
+                with self.open_write(name) as fh:
+                    fh.write(data)
+                return
+            except Transient:
+                if attempt == ATTEMPTS - 1:
+                    raise
+                time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError(url)
+
+    def _pages(self, key_prefix: str, delimiter: str):
+        """All pages of a listing (the connector follows continuation tokens), retried as a whole."""
+        return self.call(self.url, lambda: list(self.client.list_objects(self.loc.bucket, key_prefix, delimiter,
+                                                                           LIST_PAGE_KEYS)))
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        """Every object whose name starts with ``prefix``, sorted by name."""
+        cut = len(self.loc.prefix)
+        out = [Entry(info.key[cut:], info.size, info.etag)
+               for page in self._pages(self.loc.prefix + prefix, "") for info in page.object_info
+               if not info.key.endswith("/")]  # "folder" markers made by consoles are not files
+        return sorted(out, key=lambda e: e.name)
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The immediate "subdirectories" (common prefixes) of the directory ``prefix``."""
+        prefix = prefix.strip("/")
+        key_prefix = self.loc.prefix + (prefix + "/" if prefix else "")
+        cut = len(self.loc.prefix)
+        return sorted(p[cut:].rstrip("/") for page in self._pages(key_prefix, "/") for p in page.common_prefixes)
+
+    def delete(self, name: str) -> None:
+        """Delete ``name`` (a missing object is not an error)."""
+        key = self.loc.key(self.check_name(name))
+        self.call(self.where(name), lambda: self.client.delete_object(self.loc.bucket, key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object whose name starts with ``prefix``, several requests at once."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix (it would empty the whole store)")
+        names = [e.name for e in self.list(prefix)]
+        with ThreadPoolExecutor(min(DELETE_THREADS, max(1, len(names)))) as pool:
+            list(pool.map(self.delete, names))

@@ -1,0 +1,83 @@
+"""A real S3 server on loopback for the tests: moto's ``ThreadedMotoServer`` (HTTP, in a thread).
+
+Not a mock of the client: podtrain's store talks to it through s3torchconnector's CRT client over
+HTTP, exactly as it talks to AWS, selected by ``AWS_ENDPOINT_URL``. boto3 is used only by the tests
+to look behind the store's back (incomplete multipart uploads, raw objects).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+
+TEST_ACCESS_KEY = "AKIAPODTRAINTEST0001"
+TEST_SECRET = "podtrain-test-secret-must-never-appear-anywhere"
+"""Dummy credentials; tests grep a run's files and messages for the secret."""
+
+
+class S3Server:
+    """A started moto S3 server: ``endpoint``, the ``env`` that selects it, a boto3 client for checks."""
+
+    def __init__(self):
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": TEST_ACCESS_KEY,
+                    "AWS_SECRET_ACCESS_KEY": TEST_SECRET, "AWS_REGION": "us-east-1"}
+        self._names = itertools.count()
+        self._boto = None
+
+    @property
+    def boto(self):
+        """A boto3 S3 client on this server (for assertions, not for the code under test)."""
+        if self._boto is None:
+            import boto3
+
+            self._boto = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                      aws_access_key_id=TEST_ACCESS_KEY, aws_secret_access_key=TEST_SECRET)
+        return self._boto
+
+    def new_bucket(self) -> str:
+        """Create a fresh, empty bucket and return its name."""
+        name = f"podtrain-{next(self._names)}-{uuid.uuid4().hex[:8]}"
+        self.boto.create_bucket(Bucket=name)
+        return name
+
+    def incomplete_uploads(self, bucket: str) -> list[str]:
+        """Keys of the multipart uploads started and neither completed nor aborted in ``bucket``."""
+        return [u["Key"] for u in self.boto.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+    def keys(self, bucket: str) -> list[str]:
+        """Every object key in ``bucket``."""
+        pages = self.boto.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def stop(self) -> None:
+        """Stop the server thread."""
+        self._server.stop()
+
+
+def start_with_env() -> tuple[S3Server, dict]:
+    """Start a server and point this process's environment at it; returns it and the previous values."""
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in [*server.env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"]}
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        os.environ.pop(k, None)
+    os.environ.update(server.env)
+    return server, saved
+
+
+def restore_env(saved: dict) -> None:
+    """Put back the environment ``start_with_env`` replaced."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
