@@ -68,6 +68,11 @@ class DataSources:
                  manifests: Sequence[Manifest] | None = None):
         self.specs = list(specs)
         self.seq_len = seq_len
+        for spec in self.specs:
+            if "://" in spec.path:  # the store can read it, the loader cannot yet (memmapped shards)
+                raise UserError(f"data source {spec.path}: training reads prepared data from a file system "
+                                "(local disk, FSx); copy it there first (aws s3 sync URL DIR), S3 reading is "
+                                "not built yet")
         self.manifests = list(manifests) if manifests is not None else [read_manifest(s.path) for s in self.specs]
         check_one_tokenizer(self.specs, self.manifests)
         self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
