@@ -336,11 +336,10 @@ class Trainer:
             flops_per_token=self.size.flops_per_token, world_size=self.ctx.world_size, peak=self.peak,
             sync_total_s=self.stepper.clock.total_sync_wait_s, max_mem_bytes=max_memory_bytes(self.ctx.device),
             tokens_seen=self.tokens_seen, epoch=self.loader.epoch, run_id=self.run_id)
-        record.update(ledger_fields(self.loader.ledger()))
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
-        record.update(self.goodput.record(), skipped_steps=len(skipped),
+        record.update(self.goodput.record(), **ledger_fields(self.loader.ledger()), skipped_steps=len(skipped),
                       skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)
