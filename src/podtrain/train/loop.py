@@ -371,7 +371,7 @@ class Trainer:
                   "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time(),
                   **self.loader.sources.by_source("val_loss", by_source)}
         self.metrics.write(record)
-        self.progress.note(f"step {self.step}: validation loss {val:.4f}")
+        self.progress.note(f"step {self.step}: validation loss {val:.4f}{self.loader.sources.losses_text(by_source)}")
         return time.perf_counter() - t0
 
     def train_state(self) -> dict[str, Any]:
