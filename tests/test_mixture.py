@@ -93,8 +93,8 @@ def test_mix_config_mistakes_are_one_line():
 
 def test_sources_with_different_tokenizers_are_refused_naming_both(tmp_path):
     a, b = make_data_dir(tmp_path / "a"), make_data_dir(tmp_path / "b", vocab=300)
-    with pytest.raises(UserError, match=f"{a} was prepared with tokenizer byte:byte:257 but {b} "
-                                        "with byte:byte:300"):
+    with pytest.raises(UserError, match=f"{a} was prepared with tokenizer byte:257 but {b} "
+                                        "with byte:300"):
         DataSources(parse_mix([{"path": str(a), "weight": 1}, {"path": str(b), "weight": 1}], ""), 16)
 
 

@@ -108,12 +108,19 @@ class OptimSection:
 
 @dataclass
 class EvalSection:
-    """Validation loss on the held-out split."""
+    """Validation loss (and bits per byte) on the held-out split; lm-eval tasks."""
 
     every: int = 100
     """Evaluate every N steps and at the end; 0 disables evaluation."""
     max_batches: int = 20
     """Micro-batches per rank per evaluation (bounded so evaluation stays cheap)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks scored during training, each rank its share (podtrain-next-line is made from
+    data.path's validation split, offline; others as in `podtrain eval`). Needs podtrain[eval]."""
+    tasks_every: int = 0
+    """Score eval.tasks every N steps and at the end; 0: at the end only."""
+    tasks_limit: int = 200
+    """Documents per task per scoring (0: all of them)."""
 
 
 @dataclass

@@ -98,10 +98,6 @@ class DataSources:
         the run's own)."""
         return {f"{field}_by_source": values} if len(self.specs) > 1 else {}
 
-    def losses_text(self, losses: dict[str, float]) -> str:
-        """`` (web 2.1234, code 1.9876)`` for a mixture's log line; empty for one source."""
-        return " (" + ", ".join(f"{n} {v:.4f}" for n, v in losses.items()) + ")" if len(self.specs) > 1 else ""
-
     @property
     def manifest(self) -> Manifest:
         """The first source's manifest (all share its tokenizer)."""

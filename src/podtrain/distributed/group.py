@@ -20,7 +20,7 @@ import torch.distributed as dist
 from podtrain.config import CHOICES
 from podtrain.distributed.env import ClusterEnv, omp_num_threads, threads_per_rank
 from podtrain.distributed.recorder import CollectiveRecorder
-from podtrain.errors import UserError
+from podtrain.errors import UserError, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,10 @@ class DistContext:
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed, so none waits in a collective for a rank
         that stopped. Ranks without an error of their own raise one naming the failed rank and
-        host (a UserError when the original was one); a rank with its own error returns, for its
+        host (a UserError when the original was one, or a storage failure: ``storage_error``); a rank with its own error returns, for its
         caller to re-raise the original with its traceback."""
-        mine = None if error is None else (isinstance(error, UserError), str(error))
+        user = error if isinstance(error, UserError) else storage_error(error) if error is not None else None
+        mine = None if error is None else (user is not None, str(user or error))
         reports = self.all_gather_object((self.env.hostname, mine))
         if error is not None:
             return

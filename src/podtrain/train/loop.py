@@ -34,6 +34,7 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -41,7 +42,7 @@ from podtrain.observe.hardware import max_memory_bytes, peak_flops
 from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
-from podtrain.train.evaluate import evaluate_sources
+from podtrain.train.evaluations import Evaluations, describe
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
@@ -51,7 +52,7 @@ from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
-from podtrain.data.manifest import tokenizer_identity
+from podtrain.train.resume import tokenizer_identity
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
@@ -85,12 +86,14 @@ class TrainResult:
         exit_code: 0 when finished, the requeue code when stopped by a signal.
         final_loss: last logged training loss (token-weighted over ranks), or None.
         val_loss: last validation loss, or None.
+        val_bpb: last validation bits per byte, or None.
     """
 
     step: int
     exit_code: int = 0
     final_loss: float | None = None
     val_loss: float | None = None
+    val_bpb: float | None = None
 
 
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
@@ -126,7 +129,7 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
-        self.val_indexes: dict = {}
+        self.evals: Evaluations | None = None
         self.accum = 1
         self.accumulate_unsharded = True
         self.precision = None
@@ -193,6 +196,7 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
+        writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
@@ -200,7 +204,7 @@ class Trainer:
             None, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
-        self.val_indexes = checked.val_indexes
+        self.evals = Evaluations(cfg.eval, checked.val_indexes, checked.sources, cfg.train.micro_batch_size)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
@@ -254,9 +258,9 @@ class Trainer:
                  ctx.world_size, ctx.backend, ctx.device.type, self.precision.name, self.strategy.describe(),
                  f" | {self.gpu_defaults}" if self.gpu_defaults else "")
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
-                 "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
-                 self.accum, cfg.train.micro_batch_size)
+                 self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),
                  self.loader.samples_per_epoch, self.run_dir)
 
@@ -295,8 +299,8 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-            if cfg.eval.every and self.val_indexes and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self.goodput.add("eval", self._evaluate()))
+            if self.evals.due(self.step, last):
+                interval.exclude(self.goodput.add("eval", self._evaluate(last)))
             if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self.stop_signal.drain()
@@ -312,16 +316,17 @@ class Trainer:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
         self.progress.note(ledger_line(self.loader.ledger()))
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
-        val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
+        val = (f"{self.result.val_loss:.4f} nats ({self.result.val_bpb:.4f} bits/byte)"
+               if self.result.val_loss is not None else "n/a")
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f}, validation loss {val} nats | unigram entropy of the "
+            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of the "
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
@@ -361,18 +366,15 @@ class Trainer:
                               {"step": self.step, "excess": report["straggler_excess"],
                                "busy_by_rank": report["busy_by_rank"]})
 
-    def _evaluate(self) -> float:
-        t0 = time.perf_counter()
-        val, by_source = evaluate_sources(self.model, self.val_indexes, self.loader.sources.weights, self.ctx,
-                                          self.cfg.train.micro_batch_size, self.cfg.eval.max_batches,
-                                          self.stepper.precision)
-        self.result.val_loss = val
-        record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
-                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time(),
-                  **self.loader.sources.by_source("val_loss", by_source)}
-        self.metrics.write(record)
-        self.progress.note(f"step {self.step}: validation loss {val:.4f}{self.loader.sources.losses_text(by_source)}")
-        return time.perf_counter() - t0
+    def _evaluate(self, last: bool) -> float:
+        """Validation and lm-eval tasks (``train/evaluations.py``); their batches beat the watchdog."""
+        record = self.evals.run(self.step, last, self.model, self.ctx, self.stepper.precision, self.watchdog)
+        if "val_loss" in record:
+            self.result.val_loss, self.result.val_bpb = record["val_loss"], record["val_bpb"]
+        self.metrics.write({"kind": "eval", "step": self.step, **record, "tokens_seen": self.tokens_seen,
+                            "run_id": self.run_id, "time": time.time()})
+        self.progress.note(f"step {self.step}: {describe(record)}")
+        return record["eval_s"]
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
@@ -399,12 +401,9 @@ class Trainer:
         self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
-        since = self.stop_signal.seconds_since_signal()
-        log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
-                    "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
-                    since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
-                    self.stop_signal.exit_code)
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        if self.ctx.is_main:  # one line for the job, not one per rank
+            log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+        self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with

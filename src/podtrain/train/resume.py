@@ -19,6 +19,7 @@ import torch
 
 from podtrain.config import MATH_KEYS, RunConfig, to_dict
 from podtrain.config_sections import OptimSection
+from podtrain.data.manifest import said_once, tokenizer_identity  # noqa: F401 (the loop's and tests' name)
 from podtrain.errors import UserError
 from podtrain.train.optim import lr_at
 
@@ -53,7 +54,7 @@ def check_resume(saved_state: dict[str, Any], cfg: RunConfig, tokenizer: str | N
         return
     current = flatten(to_dict(cfg))
     if saved_state.get("tokenizer") is not None and tokenizer is not None:
-        saved["data.tokenizer"], current["data.tokenizer"] = saved_state["tokenizer"], tokenizer
+        saved["data.tokenizer"], current["data.tokenizer"] = said_once(saved_state["tokenizer"]), tokenizer
     changes = config_changes(saved, current)
     math = {k: v for k, v in changes.items() if k in MATH_KEYS}
     refused = {k: v for k, v in math.items() if k not in cfg.ckpt.allow_changes}
