@@ -27,8 +27,7 @@ def _records(run_dir, kind):
 
 
 def test_two_rank_mix_keeps_its_ledger_and_resumes_on_one_rank(tmp_path, repo):
-    from podtrain.ckpt import layout
-    from podtrain.ckpt.reader import read_checkpoint
+    from podtrain.ckpt.reader import load_latest
     from podtrain.model import preset_config
 
     preset_config("tiny", 320)  # import transformers' model code once, before the ranks fork
@@ -60,8 +59,7 @@ def test_two_rank_mix_keeps_its_ledger_and_resumes_on_one_rank(tmp_path, repo):
     for record in evals.values():  # each source's validation loss, and the mixture's weighted 3:1
         by_source = record["val_loss_by_source"]
         assert record["val_loss"] == pytest.approx(0.75 * by_source["web"] + 0.25 * by_source["code"])
-    choice = layout.find_latest_valid(full / "ckpt")
-    saved = read_checkpoint(choice.path, choice.manifest).state["train_state"]["loader"]["ledger"]
+    saved = load_latest(full).state["train_state"]["loader"]["ledger"]
     assert {k: v["tokens"] for k, v in saved.items()} == train[6]["tokens_by_source"]
     again = _records(resumed, "train")
     assert sorted(again) == [4, 5, 6]

@@ -30,7 +30,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.implementation": ("auto", "fused", "foreach"),
     "log.progress": ("auto", "rich", "plain", "off"),
     "dist.backend": ("auto", "nccl", "gloo"),
-    "ckpt.format": ("safetensors", "dcp"),
     "model.memory_check": ("error", "warn", "off"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "dist.strategy": ("ddp", "fsdp", "hsdp"),
@@ -128,7 +127,16 @@ def _closest(key: str) -> str:
     return match[0] if match else ""
 
 
+# Keys that existed once: naming one is a one-line error saying what replaced it.
+REMOVED_KEYS: dict[str, str] = {
+    "ckpt.format": "every run now writes the one checkpoint layout (each rank its own pieces); "
+                   "delete the key",
+}
+
+
 def _set(cfg: RunConfig, key: str, value: Any) -> None:
+    if key in REMOVED_KEYS:
+        raise UserError(f"config key {key!r} was removed: {REMOVED_KEYS[key]}")
     parts = key.split(".")
     if len(parts) != 2:
         raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")

@@ -125,7 +125,7 @@ class EvalSection:
 
 @dataclass
 class CkptSection:
-    """Checkpoints under RUN_DIR/ckpt/ (rank 0 writes, every rank reads)."""
+    """Checkpoints under RUN_DIR/ckpt/ (every rank writes and reads its own share)."""
 
     every: int | str = 100
     """Save every N steps and at the end; 0 saves only at the end; auto picks N from the measured
@@ -142,9 +142,6 @@ class CkptSection:
     """Also keep every checkpoint whose step is a multiple of N, forever; 0 disables."""
     async_save: bool = True
     """Write in a background thread: the step loop only pays for a copy to host memory."""
-    format: str = "safetensors"
-    """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks);
-    fsdp/hsdp runs always write sharded checkpoints (every rank its own pieces)."""
     resume: str = "auto"
     """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])

@@ -46,13 +46,13 @@ from podtrain.train.evaluations import Evaluations, describe
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
-from podtrain.train.guard import Guard, StepJudge, weights_finite
+from podtrain.train.guard import Guard, StepJudge
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
-from podtrain.train.resume import tokenizer_identity
+from podtrain.train import saving
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
@@ -228,7 +228,9 @@ class Trainer:
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
-        restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        state = restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        if state is not None:
+            self.apply_resume(state)
         self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
         self.saves = SaveSchedule(self.cfg.ckpt, self.step)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
@@ -308,9 +310,9 @@ class Trainer:
         return self.result
 
     def _should_stop(self) -> bool:
-        """At a step boundary, on every rank: did any rank get a stop signal? (The seam where
-        tests inject faults from outside, see tests/fault_plugin.)"""
-        return self.stop_signal.should_stop(self.ctx)
+        """At a step boundary, on every rank: did any rank get a stop signal (or did a background
+        save fail: raised here)? (The seam where tests inject faults, see tests/fault_plugin.)"""
+        return saving.should_stop(self)
 
     def _summary(self) -> None:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
@@ -376,25 +378,12 @@ class Trainer:
         self.progress.note(f"step {self.step}: {describe(record)}")
         return record["eval_s"]
 
-    def train_state(self) -> dict[str, Any]:
-        """What a checkpoint needs beyond weights and optimizer to continue exactly."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "run_id": self.run_id, "config": to_dict(self.cfg),
-                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256"),
-                "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
+    def apply_resume(self, state) -> None:
+        """Apply a restored checkpoint's loop state (start-up and the guard's rollback)."""
+        saving.apply_resume(self, state)
 
     def _save(self) -> float:
-        if self.cfg.guard.enabled and not weights_finite(self.model, self.ctx):
-            raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
-                            "checkpoint stays the newest); lower optim.lr")
-        t0 = time.perf_counter()
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
-                               self.train_state())
-        stall = self.goodput.add("save_stall", time.perf_counter() - t0)
-        self.metrics.write({"kind": "save", "step": self.step, "save_s": stall, "time": time.time()})
-        if self.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
-            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.goodput.step_seconds())))
-        return stall
+        return saving.save(self)
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
