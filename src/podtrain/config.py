@@ -20,6 +20,7 @@ from typing import Any, Union
 import yaml
 
 from podtrain.config_sections import RunConfig
+from podtrain.data.mixture import parse_mix
 from podtrain.errors import UserError
 
 
@@ -38,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # Keys whose change between a checkpoint and its resume changes what is being trained: refused
 # unless listed in ckpt.allow_changes (data.tokenizer is the data manifest's, not a config key).
-MATH_KEYS: tuple[str, ...] = ("model.preset", "model.vocab_size", "data.path", "data.seq_len",
+MATH_KEYS: tuple[str, ...] = ("model.preset", "model.vocab_size", "data.path", "data.mix", "data.seq_len",
                               "data.tokenizer", "train.global_batch_size", "run.seed")
 
 
@@ -239,6 +240,7 @@ def validate(cfg: RunConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"config key {key!r} must not be negative, got {value}")
+    parse_mix(cfg.data.mix, cfg.data.path)  # each data.mix entry: path, positive weight, unique name
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"config key 'optim.min_lr' ({cfg.optim.min_lr}) exceeds 'optim.lr' ({cfg.optim.lr})")
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:

@@ -26,7 +26,7 @@ from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
-from podtrain.data.manifest import verify_shards
+from podtrain.data.mixture import ledger_fields, ledger_line
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
 from podtrain.distributed.health import write_verdict
@@ -167,7 +167,7 @@ class Trainer:
         self._start_watchdog()
         ctx.agree_on(self._setup_local)
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
-            ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
+            ctx.agree_on(lambda: self.loader.sources.verify(part=(ctx.rank, ctx.world_size)))
         if cfg.dist.strategy == "ddp":  # fsdp/hsdp: every rank's shards come from rank 0's model
             check_replicas(self.model, ctx, before_ddp=True)
         # Every rank must accumulate the same way (FSDP's collectives differ): unsharded only
@@ -201,10 +201,10 @@ class Trainer:
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
         self.loader = ShardedLoader(
-            cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            None, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
-            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
-        self.evals = Evaluations(cfg.eval, checked.val_index, checked.manifest, cfg.train.micro_batch_size)
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
+        self.evals = Evaluations(cfg.eval, checked.val_indexes, checked.sources, cfg.train.micro_batch_size)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
@@ -263,7 +263,7 @@ class Trainer:
                  "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
                  self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
-        log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
+        log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),
                  self.loader.samples_per_epoch, self.run_dir)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -320,6 +320,7 @@ class Trainer:
             return
         self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
+        self.progress.note(ledger_line(self.loader.ledger()))
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
@@ -345,7 +346,7 @@ class Trainer:
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
-        record.update(self.goodput.record(), skipped_steps=len(skipped),
+        record.update(self.goodput.record(), **ledger_fields(self.loader.ledger()), skipped_steps=len(skipped),
                       skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)

@@ -11,10 +11,11 @@ import logging
 from typing import Any
 
 from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.data.manifest import tokenizer_identity
 from podtrain.errors import UserError
 from podtrain.train.guard import Rollback
 from podtrain.train.replicas import check_replicas
-from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters, tokenizer_identity
+from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters
 
 log = logging.getLogger("podtrain")
 
