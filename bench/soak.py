@@ -1,0 +1,484 @@
+"""Soak: a 2-rank run survives kill -9, SIGTERM, a corrupted checkpoint and a full disk, bit-exactly.
+
+    python bench/soak.py --minutes 10
+
+First an uninterrupted reference run, then rounds until the time is up (the first always runs).
+Each round is the same config in a fresh run directory on its own small tmpfs, relaunched after
+every fault (`podtrain launch local CONFIG --nproc 2`, auto-resume) until it finishes:
+
+* kill    SIGKILL of one random rank's worker at a random step (mid-step or mid-save);
+* term    SIGTERM to the launcher: podtrain checkpoints that step and exits 143;
+* enospc  the tmpfs is filled to a random fraction of one checkpoint before a launch, so its next
+          save runs out of space: one line naming the culprit, exit 2; the soak frees the space;
+* corrupt before a relaunch, bytes in the second half of the newest checkpoint's largest data file
+          are inverted: resume must detect it and fall back to the checkpoint before.
+
+Every round has each fault once, in random order (corrupt before a random relaunch). A fault is
+survived when its attempt ended as documented (README's exit codes), the next launch resumed from
+the expected checkpoint (the newest one; for corrupt, the one before) and went past it. At the end
+`podtrain export` of the round and of the reference must hold bit-identical weights, and every
+logged loss (redone steps included) must equal the reference's at that step.
+
+Only podtrain's public surface is used: the CLI, RUN_DIR/ckpt/step_*/, RUN_DIR/ckpt/latest and
+metrics.jsonl. Exit status 0 when every fault kind occurred and was survived and every round
+matched the reference; 1 otherwise. Every wait has a timeout; processes and mounts are cleaned up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import soak_procs as procs
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("kill", "term", "corrupt", "enospc")
+PODTRAIN = [sys.executable, "-m", "podtrain.cli"]
+
+
+@dataclass
+class Fault:
+    """One injected fault and what became of it."""
+
+    kind: str
+    round: int
+    at_step: int  # the last step logged before it (corrupt: the checkpoint's step)
+    detail: str
+    expected_resume: int | None = None
+    resumed: int | None = None
+    redone: int = 0
+    survived: bool | None = None  # None: not judged yet
+    reason: str = ""
+
+
+@dataclass
+class Attempt:
+    """One launch of a round: how it ended and which steps it logged."""
+
+    fault: str | None
+    code: int
+    wall_s: float
+    steps: list[int] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    output: str = ""
+
+    @property
+    def resumed(self) -> int | None:
+        """The step it resumed from (the step before its first logged one)."""
+        return self.steps[0] - 1 if self.steps else None
+
+
+class Soak:
+    """The reference run, the rounds and the verdict (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.rng = random.Random(args.seed)
+        self.faults: list[Fault] = []
+        self.rounds: list[dict] = []
+        self.active: list[subprocess.Popen] = []
+        self.mounts: list[Path] = []
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    # -- launching ---------------------------------------------------------------------------
+    def overrides(self, run_dir: Path, data: Path) -> list[str]:
+        """The config of every run: tiny, few steps, a checkpoint every few steps, one log line
+        per step (so redone steps and their losses are all visible)."""
+        a = self.args
+        return [f"run.dir={run_dir}", f"data.path={data}", f"train.steps={a.steps}",
+                "data.seq_len=64", "train.micro_batch_size=2", f"train.global_batch_size={2 * a.nproc}",
+                "optim.warmup_steps=2", "eval.every=0", f"ckpt.every={a.ckpt_every}", "ckpt.keep_last=2",
+                "log.every=1", "log.progress=plain", "monitor.straggler_every=0", f"run.seed={a.seed}"]
+
+    def launch(self, run_dir: Path, data: Path, name: str) -> tuple[subprocess.Popen, Path]:
+        """Start ``podtrain launch local`` in its own session, output to a log file."""
+        out = self.logs / f"{name}.log"
+        cmd = [*PODTRAIN, "launch", "local", str(REPO / "configs/demo.yaml"), "--nproc", str(self.args.nproc),
+               *self.overrides(run_dir, data)]
+        fh = open(out, "w")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        fh.close()
+        self.active.append(proc)
+        return proc, out
+
+    def wait(self, proc: subprocess.Popen, what: str) -> int:
+        """The launcher's exit code; a launcher still running after the timeout is killed with its
+        whole tree and counts as a hang (code -1)."""
+        try:
+            code = proc.wait(timeout=self.args.attempt_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"soak: {what} still running after {self.args.attempt_timeout} s: killed", flush=True)
+            procs.kill_tree(proc.pid)
+            proc.wait(timeout=30)
+            code = -1
+        procs.kill_tree(proc.pid)  # a worker a dead agent left behind
+        self.active.remove(proc)
+        return code
+
+    def export(self, run_dir: Path, out: Path) -> str | None:
+        """``podtrain export``; returns its error output, None on success."""
+        try:
+            done = subprocess.run([*PODTRAIN, "export", str(run_dir), str(out), "--force"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=self.args.attempt_timeout)
+        except subprocess.TimeoutExpired:
+            return "export timed out"
+        return None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]
+
+    # -- the reference -----------------------------------------------------------------------
+    def reference(self, data: Path) -> dict:
+        """The uninterrupted run: its wall time, losses, checkpoint size and export."""
+        run_dir = self.work / "reference"
+        t0 = time.monotonic()
+        proc, log = self.launch(run_dir, data, "reference")
+        code = self.wait(proc, "the reference run")
+        wall = time.monotonic() - t0
+        if code != 0:
+            raise RuntimeError(f"the reference run failed (exit {code}); see {log}:\n"
+                               f"{log.read_text()[-3000:]}")
+        steps, losses = read_metrics(run_dir, 0)
+        newest = procs.step_dirs(run_dir)[procs.latest_step(run_dir)]
+        error = self.export(run_dir, self.work / "export_reference")
+        if error:
+            raise RuntimeError(f"export of the reference failed: {error}")
+        return {"wall_s": wall, "losses": losses, "ckpt_bytes": procs.dir_bytes(newest),
+                "export": self.work / "export_reference"}
+
+    # -- one round ---------------------------------------------------------------------------
+    def round(self, index: int, data: Path, ref: dict) -> dict:
+        """A fresh faulted run to the end, then its export compared with the reference's."""
+        run_dir = self.work / f"round{index}"
+        ckpt = ref["ckpt_bytes"]
+        procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
+        self.mounts.append(run_dir)
+        started = time.monotonic()
+        plan = self.rng.sample(["kill", "term", "enospc"], 3) + [None]
+        corrupt_before = self.rng.randrange(1, 4)  # before the relaunch after the 1st, 2nd or 3rd fault
+        pending: list[Fault] = []
+        attempts: list[Attempt] = []
+        for n, kind in enumerate(plan):
+            if n >= corrupt_before and not any(f.kind == "corrupt" and f.round == index for f in self.faults):
+                pending += self.corrupt(run_dir, index)
+            filler = run_dir / "filler"
+            if kind == "enospc":
+                leave = int(ckpt * self.rng.uniform(0.2, 0.8))
+                procs.fill(filler, leave)
+            attempt, fault = self.attempt(run_dir, data, index, n, kind, pending)
+            attempts.append(attempt)
+            filler.unlink(missing_ok=True)
+            if fault is not None:
+                self.faults.append(fault)
+                fault.at_step = max(attempt.steps, default=fault.at_step)
+                latest = procs.latest_step(run_dir)
+                if fault.survived is None:
+                    fault.expected_resume = latest
+                    if kind == "term" and latest != max(attempt.steps, default=0):
+                        fault.survived, fault.reason = False, (f"latest names step {latest}, but the run "
+                                                               f"stopped at step {max(attempt.steps)}")
+                pending = [fault] if fault.survived is None else []
+            if attempt.code == -1 or (kind is None and attempt.code != 0):
+                break  # a hang or a failed final launch: the round cannot finish
+        wall = time.monotonic() - started
+        for f in pending:
+            f.survived, f.reason = False, "the round ended before a relaunch could resume"
+        result = self.compare(index, run_dir, attempts, ref)
+        procs.unmount(run_dir)
+        self.mounts.remove(run_dir)
+        result.update(wall_s=wall, job_s=sum(a.wall_s for a in attempts), attempts=len(attempts))
+        result["lost_s"] = result["job_s"] - ref["wall_s"]
+        return result
+
+    def corrupt(self, run_dir: Path, index: int) -> list[Fault]:
+        """Corrupt the newest checkpoint; the next launch must resume from the one before."""
+        latest = procs.latest_step(run_dir)
+        dirs = procs.step_dirs(run_dir)
+        if latest == 0 or latest not in dirs:
+            return []  # nothing saved yet: corrupt before the next relaunch instead
+        target, offset = procs.corrupt_largest_data_file(dirs[latest], self.rng)
+        fault = Fault("corrupt", index, latest, f"{target.relative_to(run_dir)} at byte {offset}",
+                      expected_resume=max([s for s in dirs if s < latest], default=0))
+        self.faults.append(fault)
+        return [fault]
+
+    def attempt(self, run_dir: Path, data: Path, index: int, n: int, kind: str | None,
+                pending: list[Fault]) -> tuple[Attempt, Fault | None]:
+        """One launch: inject ``kind`` into it (None: let it finish), then judge the faults that
+        this launch's resume decides (``pending``)."""
+        offset = metrics_lines(run_dir)
+        t0 = time.monotonic()
+        proc, log = self.launch(run_dir, data, f"round{index}_attempt{n}_{kind or 'final'}")
+        fault = None
+        if kind in ("kill", "term"):
+            fault = self.signal_at_random_step(proc, run_dir, offset, index, kind)
+        code = self.wait(proc, f"round {index} attempt {n}")
+        wall = time.monotonic() - t0
+        steps, losses = read_metrics(run_dir, offset)
+        output = log.read_text(errors="replace")
+        attempt = Attempt(kind, code, wall, steps, losses, output)
+        if kind == "enospc":
+            fault = Fault("enospc", index, max(steps, default=0), "tmpfs filled before the launch")
+        if fault is not None:
+            fault.survived, fault.reason = outcome_problem(kind, code, output)
+        self.judge(pending, attempt, run_dir)
+        if kind is None and code != 0:
+            print(f"soak: round {index}: the final launch exited {code}; see {log}", flush=True)
+        return attempt, fault
+
+    def signal_at_random_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
+                              kind: str) -> Fault | None:
+        """Wait for a random step past the resume point, then kill -9 a random rank or SIGTERM
+        the launcher."""
+        # At least ckpt.every steps past the resume point, so the launch saves at least once.
+        hold = self.rng.randint(self.args.ckpt_every, 2 * self.args.ckpt_every - 1)
+
+        def reached() -> bool:
+            steps, _ = read_metrics(run_dir, offset)
+            return proc.poll() is not None or (bool(steps) and max(steps) >= min(self.args.steps - 1,
+                                                                                 steps[0] + hold))
+
+        if not procs.wait_for(reached, self.args.attempt_timeout) or proc.poll() is not None:
+            return Fault(kind, index, 0, "the run ended or stalled before the fault", survived=False,
+                         reason="never reached the planned step")
+        at = max(read_metrics(run_dir, offset)[0])
+        if kind == "term":
+            proc.send_signal(signal.SIGTERM)
+            return Fault(kind, index, at, "SIGTERM to the launcher")
+        time.sleep(self.rng.uniform(0.0, 0.3))  # anywhere in a step, or in a save
+        rank = self.rng.randrange(self.args.nproc)
+        pid = procs.worker_pids(proc.pid).get(rank)
+        if pid is None:
+            return Fault(kind, index, at, f"rank {rank} not found", survived=False, reason="no worker to kill")
+        os.kill(pid, signal.SIGKILL)
+        return Fault(kind, index, at, f"SIGKILL to rank {rank} (pid {pid})")
+
+    def judge(self, pending: list[Fault], attempt: Attempt, run_dir: Path) -> None:
+        """The faults before this launch are survived when it resumed where expected and went on."""
+        resumed = attempt.resumed
+        for f in pending:
+            f.resumed = resumed
+            if resumed is None:
+                f.survived, f.reason = False, f"the next launch logged no step (exit {attempt.code})"
+            elif resumed != f.expected_resume:
+                f.survived, f.reason = False, f"resumed from step {resumed}, expected {f.expected_resume}"
+            elif max(attempt.steps) <= resumed:
+                f.survived, f.reason = False, "the next launch made no progress"
+            else:
+                f.survived = True
+        corrupt = next((f for f in pending if f.kind == "corrupt"), None)
+        for f in pending:
+            # Steps run twice: the fault that ended the last launch redoes back to the newest
+            # checkpoint; a corruption costs the steps between that and the one before.
+            if f.kind == "corrupt" and resumed is not None:
+                f.redone = max(0, f.at_step - resumed)
+            elif resumed is not None:
+                back_to = corrupt.at_step if corrupt is not None else resumed
+                f.redone = max(0, f.at_step - back_to)
+
+    # -- comparison --------------------------------------------------------------------------
+    def compare(self, index: int, run_dir: Path, attempts: list[Attempt], ref: dict) -> dict:
+        """Weights (via ``podtrain export``) and every logged loss against the reference."""
+        result = {"round": index, "weights": "not compared", "losses": "not compared"}
+        if not attempts or attempts[-1].code != 0:
+            return result
+        out = self.work / f"export_round{index}"
+        error = self.export(run_dir, out)
+        result["weights"] = f"export failed: {error}" if error else weights_verdict(ref["export"], out)
+        mismatched = [(s, loss, ref["losses"].get(s)) for a in attempts for s, loss in a.losses.items()
+                      if ref["losses"].get(s) != loss]
+        logged = sum(len(a.losses) for a in attempts)
+        result["losses"] = ("identical" if not mismatched else
+                            f"{len(mismatched)}/{logged} differ, first at step {mismatched[0][0]}: "
+                            f"{mismatched[0][1]!r} vs reference {mismatched[0][2]!r}")
+        result["logged_steps"] = logged
+        return result
+
+    def cleanup(self) -> None:
+        """Kill whatever is still running, unmount what is mounted."""
+        for proc in list(self.active):
+            procs.kill_tree(proc.pid)
+            proc.wait(timeout=30)
+        for path in list(self.mounts):
+            procs.unmount(path)
+
+
+def outcome_problem(kind: str, code: int, output: str) -> tuple[bool | None, str]:
+    """(False, why) when the faulted launch did not end as documented; (None, "") otherwise
+    (its survival is then decided by the next launch's resume)."""
+    if code == -1:
+        return False, "the launch hung (killed by the soak's timeout)"
+    if kind == "term" and code != 143:
+        return False, f"exit {code} after SIGTERM, expected 143"
+    if kind == "kill" and code in (0, 2, 124):
+        return False, f"exit {code} after a rank was killed"
+    if kind == "enospc":
+        if code != 2:
+            return False, f"exit {code} on a full disk, expected 2 (a one-line error)"
+        if "no space left on device" not in output.lower():
+            return False, "no line says the disk is full"
+    return None, ""
+
+
+def metrics_lines(run_dir: Path) -> int:
+    """How many lines metrics.jsonl holds now (0 when absent)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+
+def read_metrics(run_dir: Path, offset: int) -> tuple[list[int], dict[int, float]]:
+    """The training steps logged after line ``offset`` and their losses (a torn last line is
+    skipped: it is being written)."""
+    path = run_dir / "metrics.jsonl"
+    steps, losses = [], {}
+    if path.exists():
+        for line in path.read_bytes().splitlines()[offset:]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "train":
+                steps.append(rec["step"])
+                losses[rec["step"]] = rec["loss"]
+    return steps, losses
+
+
+def weights_verdict(ref_dir: Path, got_dir: Path) -> str:
+    """"identical" when every tensor of both exports is bit-identical, else what differs."""
+    from safetensors.torch import load_file
+
+    ref = {k: v for p in sorted(ref_dir.glob("*.safetensors")) for k, v in load_file(p).items()}
+    got = {k: v for p in sorted(got_dir.glob("*.safetensors")) for k, v in load_file(p).items()}
+    if not ref or ref.keys() != got.keys():
+        return f"different tensors: {sorted(set(ref) ^ set(got))[:5]}"
+    differ = [k for k in ref if ref[k].dtype != got[k].dtype or ref[k].shape != got[k].shape
+              or not ref[k].view(-1).view(dtype=_int_of(ref[k])).equal(got[k].view(-1).view(dtype=_int_of(got[k])))]
+    if not differ:
+        return "identical"
+    worst = max(float((ref[k].double() - got[k].double()).abs().max()) for k in differ
+                if ref[k].shape == got[k].shape)
+    return f"{len(differ)}/{len(ref)} tensors differ (max abs diff {worst:.3g}), e.g. {differ[0]}"
+
+
+def _int_of(t):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+# -- the report ------------------------------------------------------------------------------
+def summary(soak: Soak, ref: dict, elapsed: float) -> tuple[dict, list[str]]:
+    """The figures (for --json) and the problems that make the soak fail."""
+    by_kind = {}
+    for kind in KINDS:
+        mine = [f for f in soak.faults if f.kind == kind]
+        by_kind[kind] = {"occurred": len(mine), "survived": sum(bool(f.survived) for f in mine),
+                         "steps_redone": sum(f.redone for f in mine)}
+    problems = [f"round {f.round}: {f.kind} at step {f.at_step} not survived: {f.reason}"
+                for f in soak.faults if not f.survived]
+    problems += [f"no {k} fault occurred" for k, v in by_kind.items() if not v["occurred"]]
+    for r in soak.rounds:
+        if r["weights"] != "identical":
+            problems.append(f"round {r['round']}: final weights: {r['weights']}")
+        if r["losses"] != "identical":
+            problems.append(f"round {r['round']}: losses: {r['losses']}")
+    figures = {"ok": not problems, "problems": problems, "elapsed_s": elapsed, "reference_s": ref["wall_s"],
+               "steps": soak.args.steps, "ckpt_every": soak.args.ckpt_every, "by_kind": by_kind,
+               "rounds": soak.rounds, "faults": [asdict(f) for f in soak.faults]}
+    return figures, problems
+
+
+def print_table(figures: dict) -> None:
+    """Faults by kind, then rounds."""
+    print(f"\nsoak: {len(figures['rounds'])} round(s) of {figures['steps']} steps (ckpt.every="
+          f"{figures['ckpt_every']}) in {figures['elapsed_s']:.0f} s; reference run {figures['reference_s']:.1f} s")
+    print(f"{'fault':<9}{'occurred':>9}{'survived':>9}{'steps redone':>14}")
+    for kind, v in figures["by_kind"].items():
+        print(f"{kind:<9}{v['occurred']:>9}{v['survived']:>9}{v['steps_redone']:>14}")
+    print(f"{'round':<6}{'launches':>9}{'job s':>8}{'lost s':>8}  weights / losses vs reference")
+    for r in figures["rounds"]:
+        print(f"{r['round']:<6}{r['attempts']:>9}{r['job_s']:>8.1f}{r['lost_s']:>8.1f}  "
+              f"{r['weights']} / {r['losses']}")
+    for p in figures["problems"]:
+        print(f"FAILED: {p}")
+    print("soak: PASSED" if figures["ok"] else "soak: FAILED", flush=True)
+
+
+def prepare_data(work: Path, timeout: float) -> Path:
+    """A small byte-level corpus from `podtrain prepare builtin`."""
+    out = work / "data"
+    subprocess.run([*PODTRAIN, "prepare", "builtin", "--out", str(out), "--builtin-bytes", "300000",
+                    "--workers", "1", "--no-progress"], cwd=REPO, check=True, capture_output=True, timeout=timeout)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="time budget: new rounds start while one more fits (the first always runs)")
+    p.add_argument("--steps", type=int, default=24, help="train.steps of every run (default 24)")
+    p.add_argument("--ckpt-every", type=int, default=4, help="ckpt.every (default 4)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    p.add_argument("--data", type=Path, help="a prepared data directory (default: prepare a small one)")
+    p.add_argument("--attempt-timeout", type=float, default=300.0,
+                   help="seconds any one launch, export or wait may take before it counts as a hang")
+    p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
+    args = p.parse_args(argv)
+    if args.steps < 6 * args.ckpt_every:
+        p.error(f"--steps must be at least 6 x --ckpt-every ({6 * args.ckpt_every}) to fit a round's faults")
+    return args
+
+
+def _stop(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak; 0 when it passed."""
+    args = parse_args(argv)
+    procs.reexec_in_mount_namespace()
+    procs.become_subreaper()
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, _stop)
+    start = time.monotonic()
+    deadline = start + args.minutes * 60
+    work = Path(tempfile.mkdtemp(prefix="podtrain-soak-"))
+    soak = Soak(args, work)
+    try:
+        data = args.data or prepare_data(work, args.attempt_timeout)
+        ref = soak.reference(data)
+        print(f"soak: reference run of {args.steps} steps took {ref['wall_s']:.1f} s", flush=True)
+        while True:
+            t0 = time.monotonic()
+            result = soak.round(len(soak.rounds) + 1, data, ref)
+            soak.rounds.append(result)
+            print(f"soak: round {result['round']}: {result['attempts']} launches, {result['job_s']:.1f} s, "
+                  f"weights {result['weights']}", flush=True)
+            if time.monotonic() + (time.monotonic() - t0) > deadline:
+                break
+        figures, problems = summary(soak, ref, time.monotonic() - start)
+    finally:
+        soak.cleanup()
+        if args.keep:
+            print(f"soak: work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
