@@ -185,7 +185,8 @@ class Soak:
                     if kind == "term" and latest != max(attempt.steps, default=0):
                         fault.survived, fault.reason = False, (f"latest names step {latest}, but the run "
                                                                f"stopped at step {max(attempt.steps)}")
-                pending = [fault] if fault.survived is None else []
+            # This launch's resume judged the faults before it; the fault that ended it is next.
+            pending = [fault] if fault is not None and fault.survived is None else []
             if attempt.code == -1 or (kind is None and attempt.code != 0):
                 break  # a hang or a failed final launch: the round cannot finish
         wall = time.monotonic() - started
@@ -415,8 +416,11 @@ def print_table(figures: dict) -> None:
 def prepare_data(work: Path, timeout: float) -> Path:
     """A small byte-level corpus from `podtrain prepare builtin`."""
     out = work / "data"
-    subprocess.run([*PODTRAIN, "prepare", "builtin", "--out", str(out), "--builtin-bytes", "300000",
-                    "--workers", "1", "--no-progress"], cwd=REPO, check=True, capture_output=True, timeout=timeout)
+    done = subprocess.run([*PODTRAIN, "prepare", "builtin", "--out", str(out), "--builtin-bytes", "300000",
+                    "--val-fraction", "0.1", "--workers", "1", "--no-progress"], cwd=REPO, capture_output=True,
+                   text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"podtrain prepare failed: {(done.stdout + done.stderr)[-2000:]}")
     return out
 
 
@@ -468,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() + (time.monotonic() - t0) > deadline:
                 break
         figures, problems = summary(soak, ref, time.monotonic() - start)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        print(f"soak: error: {err}", file=sys.stderr)
+        return 2
     finally:
         soak.cleanup()
         if args.keep:

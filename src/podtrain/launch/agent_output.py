@@ -63,11 +63,31 @@ class AgentOutput:
                     console.flush()
                 continue
             with self._lock:
-                self._log.write(line)
+                self._write_log(line)
                 if self._kept_chars < MAX_KEPT_CHARS:
                     self._kept.append(line)
                     self._kept_chars += len(line)
         pipe.close()
+
+    def _write_log(self, line: str) -> None:
+        # The log lives in the run directory: when its disk fills up (a checkpoint ran out of
+        # space), losing torchrun's lines must not crash the launcher and hide the workers' verdict.
+        if self._log is not None:
+            try:
+                self._log.write(line)
+            except OSError as err:
+                self._close_log(err)
+
+    def _close_log(self, err: OSError | None = None) -> None:
+        log, self._log = self._log, None
+        try:
+            if log is not None:
+                log.close()
+        except OSError as close_err:
+            err = err or close_err
+        if err is not None:
+            print(f"podtrain: warning: {self.log_path}: {err.strerror or err}; torchrun's own lines "
+                  "were not all kept there", file=sys.stderr)
 
     def __enter__(self) -> "AgentOutput":
         return self
@@ -75,4 +95,4 @@ class AgentOutput:
     def __exit__(self, *exc: object) -> None:
         for thread in self._threads:
             thread.join()
-        self._log.close()
+        self._close_log()
