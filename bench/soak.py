@@ -99,7 +99,7 @@ class Soak:
         return [f"run.dir={run_dir}", f"data.path={data}", f"train.steps={a.steps}",
                 "data.seq_len=64", "train.micro_batch_size=2", f"train.global_batch_size={2 * a.nproc}",
                 "optim.warmup_steps=2", "eval.every=0", f"ckpt.every={a.ckpt_every}", "ckpt.keep_last=2",
-                "log.every=1", "log.progress=plain", "monitor.straggler_every=0", f"run.seed={a.seed}"]
+                "log.every=1", "log.progress=plain", "monitor.straggler_every=0"]
 
     def launch(self, run_dir: Path, data: Path, name: str) -> tuple[subprocess.Popen, Path]:
         """Start ``podtrain launch local`` in its own session, output to a log file."""
@@ -126,14 +126,24 @@ class Soak:
         self.active.remove(proc)
         return code
 
-    def export(self, run_dir: Path, out: Path) -> str | None:
-        """``podtrain export``; returns its error output, None on success."""
+    def start_export(self, run_dir: Path, out: Path) -> subprocess.Popen:
+        """Start ``podtrain export RUN_DIR OUT``."""
+        proc = subprocess.Popen([*PODTRAIN, "export", str(run_dir), str(out), "--force"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        self.active.append(proc)
+        return proc
+
+    def finish_export(self, proc: subprocess.Popen) -> str | None:
+        """Wait for an export; returns its error output, None on success."""
         try:
-            done = subprocess.run([*PODTRAIN, "export", str(run_dir), str(out), "--force"], cwd=REPO,
-                                  capture_output=True, text=True, timeout=self.args.attempt_timeout)
+            out, _ = proc.communicate(timeout=self.args.attempt_timeout)
         except subprocess.TimeoutExpired:
-            return "export timed out"
-        return None if done.returncode == 0 else (done.stdout + done.stderr)[-2000:]
+            procs.kill_tree(proc.pid)
+            proc.communicate(timeout=30)
+            out = "export timed out"
+        self.active.remove(proc)
+        return None if proc.returncode == 0 else out[-2000:]
 
     # -- the reference -----------------------------------------------------------------------
     def reference(self, data: Path) -> dict:
@@ -148,11 +158,10 @@ class Soak:
                                f"{log.read_text()[-3000:]}")
         steps, losses = read_metrics(run_dir, 0)
         newest = procs.step_dirs(run_dir)[procs.latest_step(run_dir)]
-        error = self.export(run_dir, self.work / "export_reference")
-        if error:
-            raise RuntimeError(f"export of the reference failed: {error}")
+        # Exported while the first round starts up (mostly one process importing at a time).
+        exporting = self.start_export(run_dir, self.work / "export_reference")
         return {"wall_s": wall, "losses": losses, "ckpt_bytes": procs.dir_bytes(newest),
-                "export": self.work / "export_reference"}
+                "export": self.work / "export_reference", "exporting": exporting}
 
     # -- one round ---------------------------------------------------------------------------
     def round(self, index: int, data: Path, ref: dict) -> dict:
@@ -292,7 +301,11 @@ class Soak:
         if not attempts or attempts[-1].code != 0:
             return result
         out = self.work / f"export_round{index}"
-        error = self.export(run_dir, out)
+        error = self.finish_export(self.start_export(run_dir, out))
+        if ref["exporting"] is not None:
+            ref_error, ref["exporting"] = self.finish_export(ref["exporting"]), None
+            if ref_error:
+                raise RuntimeError(f"export of the reference failed: {ref_error}")
         result["weights"] = f"export failed: {error}" if error else weights_verdict(ref["export"], out)
         mismatched = [(s, loss, ref["losses"].get(s)) for a in attempts for s, loss in a.losses.items()
                       if ref["losses"].get(s) != loss]
@@ -391,7 +404,7 @@ def summary(soak: Soak, ref: dict, elapsed: float) -> tuple[dict, list[str]]:
             problems.append(f"round {r['round']}: final weights: {r['weights']}")
         if r["losses"] != "identical":
             problems.append(f"round {r['round']}: losses: {r['losses']}")
-    figures = {"ok": not problems, "problems": problems, "elapsed_s": elapsed, "reference_s": ref["wall_s"],
+    figures = {"ok": not problems, "seed": soak.args.seed, "problems": problems, "elapsed_s": elapsed, "reference_s": ref["wall_s"],
                "steps": soak.args.steps, "ckpt_every": soak.args.ckpt_every, "by_kind": by_kind,
                "rounds": soak.rounds, "faults": [asdict(f) for f in soak.faults]}
     return figures, problems
@@ -399,7 +412,7 @@ def summary(soak: Soak, ref: dict, elapsed: float) -> tuple[dict, list[str]]:
 
 def print_table(figures: dict) -> None:
     """Faults by kind, then rounds."""
-    print(f"\nsoak: {len(figures['rounds'])} round(s) of {figures['steps']} steps (ckpt.every="
+    print(f"\nsoak (--seed {figures['seed']}): {len(figures['rounds'])} round(s) of {figures['steps']} steps (ckpt.every="
           f"{figures['ckpt_every']}) in {figures['elapsed_s']:.0f} s; reference run {figures['reference_s']:.1f} s")
     print(f"{'fault':<9}{'occurred':>9}{'survived':>9}{'steps redone':>14}")
     for kind, v in figures["by_kind"].items():
@@ -432,13 +445,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24, help="train.steps of every run (default 24)")
     p.add_argument("--ckpt-every", type=int, default=4, help="ckpt.every (default 4)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the run and of the fault plan")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the fault plan (default: random, printed; timings vary regardless)")
     p.add_argument("--data", type=Path, help="a prepared data directory (default: prepare a small one)")
     p.add_argument("--attempt-timeout", type=float, default=300.0,
                    help="seconds any one launch, export or wait may take before it counts as a hang")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
     args = p.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.randrange(1 << 31)
     if args.steps < 6 * args.ckpt_every:
         p.error(f"--steps must be at least 6 x --ckpt-every ({6 * args.ckpt_every}) to fit a round's faults")
     return args

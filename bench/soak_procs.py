@@ -48,15 +48,6 @@ def reexec_in_mount_namespace() -> None:
     os.execv(unshare, [unshare, *flags, sys.executable, *sys.argv])
 
 
-def can_mount() -> bool:
-    """Whether ``reexec_in_mount_namespace`` would succeed here (for tests that skip otherwise)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
-    return subprocess.run([unshare, *flags, "true"], capture_output=True, timeout=30).returncode == 0
-
-
 def become_subreaper() -> None:
     """Orphaned descendants re-parent to this process, so ``descendants`` always finds them."""
     libc = ctypes.CDLL(None, use_errno=True)

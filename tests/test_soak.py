@@ -1,0 +1,48 @@
+"""bench/soak.py in the suite: one round of every fault against the uninterrupted reference.
+
+The soak itself is the test (real torchrun, real gloo ranks, a real tmpfs filled up); this file
+runs a short one and checks its verdict. SOAK_MINUTES is its time budget: the first round always
+runs (reference + 4 launches + 2 exports, ~75 s on an idle 2-core machine), and each further round
+that fits adds the same again.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SOAK_MINUTES = 1.0
+"""The soak's time budget here; raise it for more rounds (more random fault timings)."""
+
+
+def _can_mount() -> bool:
+    """The soak mounts a tmpfs in a private mount namespace: root, or unprivileged user namespaces."""
+    unshare = shutil.which("unshare")
+    flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
+    return unshare is not None and subprocess.run([unshare, *flags, "true"], capture_output=True,
+                                                  timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount(), reason="no mount namespace here (needs root or user namespaces)")
+def test_soak_every_fault_survived_and_weights_bit_identical(repo, tmp_path):
+    figures_path = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(repo / "bench/soak.py"), "--minutes", str(SOAK_MINUTES),
+                           "--json", str(figures_path), "--attempt-timeout", "240"],
+                          cwd=repo, capture_output=True, text=True, timeout=900)
+    assert figures_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(figures_path.read_text())
+    for kind, counts in figures["by_kind"].items():
+        assert counts["occurred"] >= 1, f"no {kind} fault occurred: {done.stdout[-3000:]}"
+        assert counts["survived"] == counts["occurred"], f"{kind}: {figures['problems']}"
+    assert figures["rounds"] and all(r["weights"] == "identical" and r["losses"] == "identical"
+                                     for r in figures["rounds"]), figures["rounds"]
+    # The corrupt fault fell back to an older checkpoint and redid steps; a SIGTERM redoes none.
+    faults = figures["faults"]
+    assert all(f["resumed"] < f["at_step"] for f in faults if f["kind"] == "corrupt"), faults
+    assert all(f["redone"] == 0 for f in faults if f["kind"] == "term"), faults
+    assert done.returncode == 0 and "soak: PASSED" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
