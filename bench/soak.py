@@ -122,8 +122,8 @@ class Soak:
             procs.kill_tree(proc.pid)
             proc.wait(timeout=30)
             code = -1
-        procs.kill_tree(proc.pid)  # a worker a dead agent left behind
         self.active.remove(proc)
+        procs.sweep({p.pid for p in self.active})  # a worker a dead agent left behind
         return code
 
     def start_export(self, run_dir: Path, out: Path) -> subprocess.Popen:
@@ -274,7 +274,10 @@ class Soak:
     def judge(self, pending: list[Fault], attempt: Attempt, run_dir: Path) -> None:
         """The faults before this launch are survived when it resumed where expected and went on."""
         resumed = attempt.resumed
+        corrupt = next((f for f in pending if f.kind == "corrupt"), None)
         for f in pending:
+            if corrupt is not None:  # the checkpoint this fault would resume from was corrupted
+                f.expected_resume = corrupt.expected_resume
             f.resumed = resumed
             if resumed is None:
                 f.survived, f.reason = False, f"the next launch logged no step (exit {attempt.code})"
@@ -284,7 +287,6 @@ class Soak:
                 f.survived, f.reason = False, "the next launch made no progress"
             else:
                 f.survived = True
-        corrupt = next((f for f in pending if f.kind == "corrupt"), None)
         for f in pending:
             # Steps run twice: the fault that ended the last launch redoes back to the newest
             # checkpoint; a corruption costs the steps between that and the one before.
@@ -321,6 +323,7 @@ class Soak:
         for proc in list(self.active):
             procs.kill_tree(proc.pid)
             proc.wait(timeout=30)
+        procs.sweep(set())
         for path in list(self.mounts):
             procs.unmount(path)
 

@@ -105,11 +105,29 @@ def worker_pids(launcher: int) -> dict[int, int]:
 
 
 def kill_tree(root: int) -> None:
-    """SIGKILL ``root``'s descendants, then ``root``; reap the orphans that re-parented here."""
+    """SIGKILL ``root``'s descendants, then ``root`` (its parent reaps it)."""
     for pid in reversed(descendants(root)):
         _kill(pid)
     _kill(root)
-    reap_orphans(exclude=())
+
+
+def sweep(keep: set[int]) -> None:
+    """SIGKILL every process below this one except the ``keep`` pids and their descendants (the
+    orphans a dead launcher or agent left, re-parented here), and reap the orphans' zombies."""
+    for child in _children(os.getpid()):
+        if child not in keep:
+            kill_tree(child)
+    reap_orphans(keep)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _ppid_and_state(int(entry))
+            if info is not None and info[0] == pid and info[1] != "Z":
+                out.append(int(entry))
+    return out
 
 
 def _kill(pid: int) -> None:

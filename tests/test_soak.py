@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from test_resume import make_data
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +32,9 @@ def _can_mount() -> bool:
 @pytest.mark.skipif(not _can_mount(), reason="no mount namespace here (needs root or user namespaces)")
 def test_soak_every_fault_survived_and_weights_bit_identical(repo, tmp_path):
     figures_path = tmp_path / "soak.json"
+    data = make_data(tmp_path / "data")
     done = subprocess.run([sys.executable, str(repo / "bench/soak.py"), "--minutes", str(SOAK_MINUTES),
-                           "--json", str(figures_path), "--attempt-timeout", "240"],
+                           "--data", str(data), "--json", str(figures_path), "--attempt-timeout", "240"],
                           cwd=repo, capture_output=True, text=True, timeout=900)
     assert figures_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(figures_path.read_text())
