@@ -36,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import soak_procs as procs
+from soak_verdict import (KINDS, metrics_lines, outcome_problem, print_table, read_metrics, summary,
+                          weights_verdict)
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("kill", "term", "corrupt", "enospc")
 PODTRAIN = [sys.executable, "-m", "podtrain.cli"]
 
 
@@ -168,11 +169,14 @@ class Soak:
         """A fresh faulted run to the end, then its export compared with the reference's."""
         run_dir = self.work / f"round{index}"
         ckpt = ref["ckpt_bytes"]
-        procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
-        self.mounts.append(run_dir)
+        if "enospc" in self.args.kinds:
+            procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
+            self.mounts.append(run_dir)
         started = time.monotonic()
-        plan = self.rng.sample(["kill", "term", "enospc"], 3) + [None]
-        corrupt_before = self.rng.randrange(1, 4)  # before the relaunch after the 1st, 2nd or 3rd fault
+        ending = [k for k in KINDS if k != "corrupt" and k in self.args.kinds]
+        plan = self.rng.sample(ending, len(ending)) + [None]
+        # Before the relaunch after a random one of the other faults (never: not selected).
+        corrupt_before = self.rng.randrange(1, len(plan)) if "corrupt" in self.args.kinds else len(plan)
         pending: list[Fault] = []
         attempts: list[Attempt] = []
         for n, kind in enumerate(plan):
@@ -202,8 +206,9 @@ class Soak:
         for f in pending:
             f.survived, f.reason = False, "the round ended before a relaunch could resume"
         result = self.compare(index, run_dir, attempts, ref)
-        procs.unmount(run_dir)
-        self.mounts.remove(run_dir)
+        if run_dir in self.mounts:
+            procs.unmount(run_dir)
+            self.mounts.remove(run_dir)
         result.update(wall_s=wall, job_s=sum(a.wall_s for a in attempts), attempts=len(attempts))
         result["lost_s"] = result["job_s"] - ref["wall_s"]
         return result
@@ -328,107 +333,6 @@ class Soak:
             procs.unmount(path)
 
 
-def outcome_problem(kind: str, code: int, output: str) -> tuple[bool | None, str]:
-    """(False, why) when the faulted launch did not end as documented; (None, "") otherwise
-    (its survival is then decided by the next launch's resume)."""
-    if code == -1:
-        return False, "the launch hung (killed by the soak's timeout)"
-    if kind == "term" and code != 143:
-        return False, f"exit {code} after SIGTERM, expected 143"
-    if kind == "kill" and code in (0, 2, 124):
-        return False, f"exit {code} after a rank was killed"
-    if kind == "enospc":
-        if code != 2:
-            return False, f"exit {code} on a full disk, expected 2 (a one-line error)"
-        if "no space left on device" not in output.lower():
-            return False, "no line says the disk is full"
-    return None, ""
-
-
-def metrics_lines(run_dir: Path) -> int:
-    """How many lines metrics.jsonl holds now (0 when absent)."""
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_bytes().splitlines()) if path.exists() else 0
-
-
-def read_metrics(run_dir: Path, offset: int) -> tuple[list[int], dict[int, float]]:
-    """The training steps logged after line ``offset`` and their losses (a torn last line is
-    skipped: it is being written)."""
-    path = run_dir / "metrics.jsonl"
-    steps, losses = [], {}
-    if path.exists():
-        for line in path.read_bytes().splitlines()[offset:]:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "train":
-                steps.append(rec["step"])
-                losses[rec["step"]] = rec["loss"]
-    return steps, losses
-
-
-def weights_verdict(ref_dir: Path, got_dir: Path) -> str:
-    """"identical" when every tensor of both exports is bit-identical, else what differs."""
-    from safetensors.torch import load_file
-
-    ref = {k: v for p in sorted(ref_dir.glob("*.safetensors")) for k, v in load_file(p).items()}
-    got = {k: v for p in sorted(got_dir.glob("*.safetensors")) for k, v in load_file(p).items()}
-    if not ref or ref.keys() != got.keys():
-        return f"different tensors: {sorted(set(ref) ^ set(got))[:5]}"
-    differ = [k for k in ref if ref[k].dtype != got[k].dtype or ref[k].shape != got[k].shape
-              or not ref[k].view(-1).view(dtype=_int_of(ref[k])).equal(got[k].view(-1).view(dtype=_int_of(got[k])))]
-    if not differ:
-        return "identical"
-    worst = max(float((ref[k].double() - got[k].double()).abs().max()) for k in differ
-                if ref[k].shape == got[k].shape)
-    return f"{len(differ)}/{len(ref)} tensors differ (max abs diff {worst:.3g}), e.g. {differ[0]}"
-
-
-def _int_of(t):
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-
-
-# -- the report ------------------------------------------------------------------------------
-def summary(soak: Soak, ref: dict, elapsed: float) -> tuple[dict, list[str]]:
-    """The figures (for --json) and the problems that make the soak fail."""
-    by_kind = {}
-    for kind in KINDS:
-        mine = [f for f in soak.faults if f.kind == kind]
-        by_kind[kind] = {"occurred": len(mine), "survived": sum(bool(f.survived) for f in mine),
-                         "steps_redone": sum(f.redone for f in mine)}
-    problems = [f"round {f.round}: {f.kind} at step {f.at_step} not survived: {f.reason}"
-                for f in soak.faults if not f.survived]
-    problems += [f"no {k} fault occurred" for k, v in by_kind.items() if not v["occurred"]]
-    for r in soak.rounds:
-        if r["weights"] != "identical":
-            problems.append(f"round {r['round']}: final weights: {r['weights']}")
-        if r["losses"] != "identical":
-            problems.append(f"round {r['round']}: losses: {r['losses']}")
-    figures = {"ok": not problems, "seed": soak.args.seed, "problems": problems, "elapsed_s": elapsed, "reference_s": ref["wall_s"],
-               "steps": soak.args.steps, "ckpt_every": soak.args.ckpt_every, "by_kind": by_kind,
-               "rounds": soak.rounds, "faults": [asdict(f) for f in soak.faults]}
-    return figures, problems
-
-
-def print_table(figures: dict) -> None:
-    """Faults by kind, then rounds."""
-    print(f"\nsoak (--seed {figures['seed']}): {len(figures['rounds'])} round(s) of {figures['steps']} steps (ckpt.every="
-          f"{figures['ckpt_every']}) in {figures['elapsed_s']:.0f} s; reference run {figures['reference_s']:.1f} s")
-    print(f"{'fault':<9}{'occurred':>9}{'survived':>9}{'steps redone':>14}")
-    for kind, v in figures["by_kind"].items():
-        print(f"{kind:<9}{v['occurred']:>9}{v['survived']:>9}{v['steps_redone']:>14}")
-    print(f"{'round':<6}{'launches':>9}{'job s':>8}{'lost s':>8}  weights / losses vs reference")
-    for r in figures["rounds"]:
-        print(f"{r['round']:<6}{r['attempts']:>9}{r['job_s']:>8.1f}{r['lost_s']:>8.1f}  "
-              f"{r['weights']} / {r['losses']}")
-    for p in figures["problems"]:
-        print(f"FAILED: {p}")
-    print("soak: PASSED" if figures["ok"] else "soak: FAILED", flush=True)
-
-
 def prepare_data(work: Path, timeout: float) -> Path:
     """A small byte-level corpus from `podtrain prepare builtin`."""
     out = work / "data"
@@ -455,11 +359,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds any one launch, export or wait may take before it counts as a hang")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated fault kinds of every round (default {','.join(KINDS)})")
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     if args.steps < 6 * args.ckpt_every:
         p.error(f"--steps must be at least 6 x --ckpt-every ({6 * args.ckpt_every}) to fit a round's faults")
+    chosen = set(filter(None, args.kinds.split(",")))
+    unknown = chosen - set(KINDS)
+    args.kinds = [k for k in KINDS if k in chosen]
+    if unknown or not args.kinds:
+        p.error(f"--kinds: choose from {', '.join(KINDS)} (got {', '.join(sorted(unknown)) or 'none'})")
+    if args.kinds == ["corrupt"]:
+        p.error("--kinds: corrupt needs another kind (a checkpoint is corrupted between launches)")
     return args
 
 
@@ -470,7 +383,8 @@ def _stop(signum, _frame):
 def main(argv: list[str] | None = None) -> int:
     """Run the soak; 0 when it passed."""
     args = parse_args(argv)
-    procs.reexec_in_mount_namespace()
+    if "enospc" in args.kinds:
+        procs.reexec_in_mount_namespace()
     procs.become_subreaper()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, _stop)
