@@ -242,9 +242,9 @@ class Soak:
         attempt = Attempt(kind, code, wall, steps, losses, output)
         if kind == "enospc":
             fault = Fault("enospc", index, max(steps, default=0), "tmpfs filled before the launch")
-        if fault is not None:
+        if fault is not None and fault.survived is None:
             fault.survived, fault.reason = outcome_problem(kind, code, output)
-        self.judge(pending, attempt, run_dir)
+        self.judge(pending, attempt)
         if kind is None and code != 0:
             print(f"soak: round {index}: the final launch exited {code}; see {log}", flush=True)
         return attempt, fault
@@ -258,8 +258,8 @@ class Soak:
 
         def reached() -> bool:
             steps, _ = read_metrics(run_dir, offset)
-            return proc.poll() is not None or (bool(steps) and max(steps) >= min(self.args.steps - 1,
-                                                                                 steps[0] + hold))
+            last = self.args.steps - self.args.ckpt_every  # well before the end: the fault lands
+            return proc.poll() is not None or (bool(steps) and max(steps) >= min(last, steps[0] + hold))
 
         if not procs.wait_for(reached, self.args.attempt_timeout) or proc.poll() is not None:
             return Fault(kind, index, 0, "the run ended or stalled before the fault", survived=False,
@@ -276,7 +276,7 @@ class Soak:
         os.kill(pid, signal.SIGKILL)
         return Fault(kind, index, at, f"SIGKILL to rank {rank} (pid {pid})")
 
-    def judge(self, pending: list[Fault], attempt: Attempt, run_dir: Path) -> None:
+    def judge(self, pending: list[Fault], attempt: Attempt) -> None:
         """The faults before this launch are survived when it resumed where expected and went on."""
         resumed = attempt.resumed
         corrupt = next((f for f in pending if f.kind == "corrupt"), None)
