@@ -28,7 +28,7 @@ demo: install
 	$(VENV)/bin/podtrain prepare builtin --out data/builtin
 	rm -rf runs/demo
 	$(VENV)/bin/podtrain launch local configs/demo.yaml --nproc $(NPROC)
-	$(VENV)/bin/podtrain sample runs/demo --prompt 'def ' --max-new-tokens 300
+	$(VENV)/bin/podtrain sample runs/demo --prompt "$$(printf '\ndef ')" --max-new-tokens 300
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
@@ -38,6 +38,7 @@ bench: install
 	$(PY) bench/train_throughput.py
 	$(PY) bench/loader_throughput.py
 	$(PY) bench/prepare_throughput.py
+	$(PY) bench/prepare_scale.py
 	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/checkpoint_memory.py
 	$(PY) bench/storage_throughput.py

@@ -26,6 +26,8 @@ budget is recorded as skipped, never silently dropped):
                  collective dumps within dist.timeout_s=20
   fsdp           dist.strategy=fsdp (FSDP2, bf16 MixedPrecisionPolicy): 20 steps to a sharded
                  checkpoint, resumed to 30 under ddp; tokens/s fsdp vs ddp on gpt2-124m
+  hot_loop       20 steps under torch.cuda.set_sync_debug_mode("error") (a host sync in the loop
+                 fails the run), ddp and fsdp, bf16; their losses within 2% (bench/hot_loop_check.py)
   throughput     podtrain (defaults) against the bare DDP loop (bench/bare_ddp.py) on the same
                  GPU: tokens/s and MFU for gpt2-124m and qwen2.5-0.5b, bf16, seq 1024, eager and
                  torch.compile; prints podtrain/bare per configuration
@@ -54,6 +56,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # this checkout's podtrain, also where it is not installed
 
+from hot_loop_check import stage_hot_loop  # noqa: E402  (bench/ is this script's directory)
 from podtrain.launch.local import free_port  # noqa: E402
 
 FAULT_PLUGIN = REPO / "tests" / "fault_plugin"
@@ -378,10 +381,10 @@ STAGES: list[tuple[str, Callable[[Session], dict[str, Any]]]] = [
     ("environment", stage_environment), ("prepare", stage_prepare), ("train", stage_train),
     ("golden_resume", stage_golden_resume), ("compile", stage_compile), ("export", stage_export),
     ("sample", stage_sample), ("collectives", stage_collectives), ("doctor", stage_doctor),
-    ("hang", stage_hang), ("fsdp", stage_fsdp), ("throughput", stage_throughput),
+    ("hang", stage_hang), ("fsdp", stage_fsdp), ("hot_loop", stage_hot_loop), ("throughput", stage_throughput),
 ]
 NEEDS = {"train": "prepare", "golden_resume": "train", "compile": "prepare", "export": "train",
-         "sample": "train", "hang": "prepare", "throughput": "prepare"}
+         "sample": "train", "hang": "prepare", "hot_loop": "prepare", "throughput": "prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,16 +51,25 @@ def data(tmp_path_factory):
 
 
 def submit(cluster, monkeypatch, capsys, run_dir: Path, data: Path, *extra: str,
-           overrides: tuple[str, ...] = ()) -> str:
-    """`podtrain launch slurm ... --submit` against this cluster; returns the job id."""
+           overrides: tuple[str, ...] = (), by_hand: Path | None = None) -> str:
+    """`podtrain launch slurm ... --submit` against this cluster; returns the job id. With
+    ``by_hand`` (a directory), the script is written without --submit (--output job.sh) and
+    submitted with a plain `sbatch job.sh` run in that directory, as a user would."""
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
     monkeypatch.chdir(run_dir.parent)
+    how = ["--output", str(by_hand / "job.sh")] if by_hand else ["--submit"]
     code = main(["launch", "slurm", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
                  f"data.path={data}", *TINY_TRAINING, *overrides,
                  "--nodes", "2", "--gpus-per-node", "0", "--nproc-per-node", "1",
-                 "--venv", str(REPO / ".venv"), "--join-timeout", "60", "--submit", *extra])
+                 "--venv", str(REPO / ".venv"), "--join-timeout", "60", *how, *extra])
     err = capsys.readouterr().err
     assert code == 0, err
+    if by_hand:
+        assert not run_dir.exists(), "writing the script must create nothing but the script"
+        proc = subprocess.run(["sbatch", "job.sh"], cwd=by_hand, env=dict(os.environ), capture_output=True,
+                              text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return re.search(r"Submitted batch job (\d+)", proc.stdout)[1]
     return re.search(r"submitted job (\d+)", err)[1]
 
 
@@ -152,12 +161,17 @@ def test_a_node_blamed_in_the_first_allocation_is_not_in_the_second(
         cluster, data, tmp_path, monkeypatch, capsys):
     """Rank 1 is slow (a test fault sleeps in its steps): the straggler monitor writes verdicts
     naming its node to RUN_DIR/health/; the preemption signal stops the job after a checkpoint and
-    the batch script excludes that node before it requeues; the job resumes on the other two."""
-    run_dir = tmp_path / "run"
+    the batch script excludes that node before it requeues; the job resumes on the other two.
+
+    This job's script is written without --submit and submitted by hand, with a plain `sbatch
+    job.sh` in another directory: it runs (RUN_DIR did not exist), and its log is where the
+    script's header says (sbatch's directory), linked from RUN_DIR/logs/."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
     faults = fault_env("slow-step:rank=1,delay=0.4")
     for key in ("PYTHONPATH", "PODTRAIN_TEST_FAULTS"):
         monkeypatch.setenv(key, faults[key])
-    job_id = submit(cluster, monkeypatch, capsys, run_dir, data, "--requeue",
+    job_id = submit(cluster, monkeypatch, capsys, run_dir, data, "--requeue", by_hand=elsewhere,
                     overrides=("train.steps=14", "ckpt.every=2", "monitor.straggler_every=2",
                                "monitor.straggler_threshold=0.2"))
     first_nodes = wait_until(lambda: _allocation(cluster, job_id), "an allocation", cluster, job_id)
@@ -179,6 +193,12 @@ def test_a_node_blamed_in_the_first_allocation_is_not_in_the_second(
                                                         f"allocation was {second}", log[-3000:])
     records = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
     assert records[-1]["step"] == 14 and records[-1]["goodput_s"]["restarts"] > 0
+    # The log is where the header says: NAME-JOBID.out in sbatch's directory, linked from RUN_DIR/logs.
+    header = re.search(r"Log: (\S+)-JOBID\.out in the directory you run sbatch in",
+                       (elsewhere / "job.sh").read_text().replace("\n# ", " "))
+    log_file = elsewhere / f"{header[1]}-{job_id}.out"
+    assert log_file.is_file() and log_file.read_text() == log
+    assert (run_dir / "logs" / log_file.name).resolve() == log_file.resolve()
 
 
 def _allocation(cluster, job_id: str) -> list[str]:

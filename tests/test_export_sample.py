@@ -138,14 +138,16 @@ def test_sample_prints_greedy_text_that_matches_the_model(tmp_path, capsys):
     args = ["sample", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     assert main(args) == 0
     text = capsys.readouterr().out.rstrip("\n")
-    ids = list(b"def ")
+    ids = [256] + list(b"def ")  # the prompt starts a document: it follows an EOS
     with torch.no_grad():  # greedy decoding by hand, no cache
         for _ in range(12):
             nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
             if nxt == 256:
                 break
             ids.append(nxt)
-    assert text == ByteTokenizer().decode(ids)
+    whole = ByteTokenizer().decode(ids[1:])
+    cut = whole.rfind("\n")  # --stop block: the last whole line when the limit cuts one short
+    assert text == (whole[:cut] if cut > len("def ") else whole)
     sampled = ["sample", str(tmp_path / "run"), "--max-new-tokens", "16", "--seed", "3"]
     assert main(sampled) == 0 and main(sampled) == 0
     first, second = capsys.readouterr().out.split("\n")[:2]
@@ -191,3 +193,17 @@ def test_prepare_refuses_to_overwrite_data_of_another_tokenizer_unless_forced(tm
     assert main(["prepare", "builtin", "--out", str(out), *small]) == 0  # same tokenizer: fine
     assert main(["prepare", "builtin", "--out", str(out), "--tokenizer", "bpe:300", "--force", *small]) == 0
     assert json.loads((out / "manifest.json").read_text())["tokenizer"]["name"] == "bpe:300"
+
+
+def test_sampling_guards_a_run_and_stops_at_a_block_end():
+    from podtrain.sample import block_end, run_guard
+
+    guard = run_guard(max_run=3, prompt_len=1)
+    scores = torch.zeros(2, 5)
+    ids = torch.tensor([[0, 4, 4, 4], [0, 4, 2, 4]])  # row 0: three 4s in a row after the prompt
+    out = guard(ids, scores.clone())
+    assert out[0, 4] == float("-inf") and torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
+    assert torch.isfinite(guard(ids[:, :3], scores.clone())).all()  # only 2 generated: no run yet
+    code = "foo(x):\n    return x\n\n    \ndef bar():\n"
+    assert block_end(code) == code.index("\n\n")  # blank lines, then column 0: the function ended
+    assert block_end("foo(x):\n\n    return x\n") is None  # a blank line inside the body

@@ -246,9 +246,13 @@ def test_goodput_line_counts_the_steps_redone_after_a_kill(capsys, data, tmp_pat
     monkeypatch.chdir(repo)
     run = tmp_path / "run"
     assert train(capsys, data, run, "train.steps=5", "ckpt.every=2")[0] == 0
-    # "Kill" after step 5 was logged but only step 4 was checkpointed: the newest checkpoint goes.
+    # "Kill" after step 5 was logged but only step 4 was checkpointed: the newest checkpoint goes,
+    # and so does the closing line a killed attempt never writes.
     layout.remove_tree(run / "ckpt" / layout.step_name(5))
     (run / "ckpt" / "latest").write_text(layout.step_name(4))
+    metrics = (run / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["ended"] == "finished"
+    (run / "metrics.jsonl").write_text("\n".join(metrics[:-1]) + "\n")
     code, _, out = train(capsys, data, run, "train.steps=7", "ckpt.every=2", "optim.schedule=wsd")
     assert code == 0
     line = [x for x in out.splitlines() if "] goodput " in x]
@@ -295,3 +299,45 @@ def test_the_requeue_excludes_blamed_nodes(tmp_path, capsys):
     script = _after_preemption(True)
     assert 'scontrol update jobid="$SLURM_JOB_ID" ExcNodeList="$BLAMED"' in script
     assert script.index("scontrol requeue") < script.index("scontrol update")  # pending jobs only
+
+
+# -- 7. idle time between attempts; report's goodput ---------------------------------------------------
+def _history(path: Path, *lines: dict) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _attempt(ended: str | None, t_end: float) -> list[dict]:
+    seconds = {"productive": 90.0, "startup": 5.0, "restarts": 0.0, "redone": 0.0, "save_stall": 3.0,
+               "eval": 2.0, "skipped": 0.0}
+    train = {"kind": "train", "step": 10, "goodput_s": dict(seconds, eval=0.0), "goodput_attempt_s":
+             dict(seconds, eval=0.0), "goodput_pct": 92.47, "attempt": "a1", "time": t_end - 5}
+    closing = {"kind": "goodput", "step": 10, "goodput_s": seconds, "goodput_attempt_s": seconds,
+               "goodput_pct": 90.0, "attempt": "a1", "ended": ended, "time": t_end}
+    return [train] + ([closing] if ended else [])
+
+
+@pytest.mark.parametrize("ended, restarts", [("finished", 0.0), ("interrupted", 0.0), ("stopped", 960.0),
+                                             (None, 965.0)])
+def test_the_wait_after_a_finished_or_interrupted_attempt_is_idle(tmp_path, ended, restarts):
+    from podtrain.train.goodput import GoodputClock
+
+    path = _history(tmp_path / "metrics.jsonl", *_attempt(ended, t_end=1000.0))
+    clock = GoodputClock(started=1000.0 + 960)  # extended 16 minutes later
+    clock.load_history(path)
+    assert clock.seconds["restarts"] == restarts  # a kill or a requeue loses the wait; a finish does not
+    assert clock.done_before == 10
+    assert clock.prior["productive"] == 90.0 and clock.prior["eval"] == (2.0 if ended else 0.0)
+
+
+def test_report_renders_the_newest_goodput_record(tmp_path):
+    from podtrain.plan.report import measured_split
+    from podtrain.train.goodput import goodput_line
+
+    lines = _attempt("finished", t_end=1000.0)
+    lines[0].update(world_size=1, step_time_s=1.0, data_wait_s=0.0)
+    got = measured_split(lines)
+    assert got["goodput"]["goodput_s"]["eval"] == 2.0  # the closing line, not the last train line
+    line = goodput_line(got["goodput"]["goodput_s"])
+    assert line == ("goodput 90.0%: productive 90.0 s, start-up 5.0 s, restarts 0.0 s, redone 0.0 s, "
+                    "save stalls 3.0 s, evaluation 2.0 s, skipped 0.0 s")

@@ -151,9 +151,13 @@ def test_instance_preset_fills_gpus_and_efa(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive",
                  "#SBATCH --wait-all-nodes=1", "#SBATCH --partition=gpu", "#SBATCH --account=ml",
                  "#SBATCH --time=2-00:00:00", "#SBATCH --signal=USR1@120", "#SBATCH --requeue",
-                 f"#SBATCH --output={tmp_path / 'run'}/logs/%x-%j.out"):
+                 "#SBATCH --output=%x-%j.out"):  # sbatch's directory: it exists wherever it runs
         assert line + "\n" in text, line
-    records, _, _ = run_batch(tmp_path, script)
+    records, stdout, _ = run_batch(tmp_path, script)
+    # The log (in SLURM_SUBMIT_DIR here: the stand-in scontrol knows no jobs) is linked from RUN_DIR/logs.
+    log = Path(os.getcwd()) / "podtrain-run-4242.out"
+    assert f"podtrain: job 4242 log {log}\n" in stdout
+    assert os.readlink(tmp_path / "run" / "logs" / "podtrain-run-4242.out") == str(log)
     env = records[0]["env"]
     assert flag(records[0]["argv"], "nproc-per-node") == "8"
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
@@ -302,3 +306,31 @@ def test_shared_storage_warnings_name_home_directories_and_accept_shared_paths(t
     assert line.startswith("data.path /home/me/data is in a home directory")
     cfg = load_config(DEMO, ["run.dir=/fsx/runs/a", "data.path=/fsx/data"])
     assert shared_storage_warnings(cfg, tmp_path, home=Path("/home/me")) == []
+
+
+LLAMA_8B = ("model.preset=llama-8b", "model.vocab_size=128256", "data.seq_len=4096",
+            "train.micro_batch_size=1", "train.global_batch_size=16")
+
+
+def test_slurm_and_k8s_refuse_a_job_that_plan_says_cannot_fit_naming_fsdp(tmp_path, capsys):
+    """The launchers run `podtrain plan`'s memory check (plan.fit) for the job's GPUs: llama-8b
+    under ddp needs ~163 GiB per 80 GiB p5 GPU at 4096 tokens (or a GPU of --gpu-memory 80): one line naming
+    fsdp, exit 2, nothing written; under fsdp the job is written."""
+    slurm_job = ["launch", "slurm", DEMO, f"run.dir={tmp_path / 'run'}", *LLAMA_8B, "--nodes", "1"]
+    k8s_job = ["launch", "k8s", DEMO, "run.dir=/fsx/run", "data.path=/fsx/data", *LLAMA_8B, "--nodes", "1",
+               "--image", "repo/podtrain:1", "--pvc", "fsx"]
+    for job, devices in ((slurm_job, ["--instance-type", "p5.48xlarge"]),
+                         (k8s_job, ["--instance-type", "p5.48xlarge"]),
+                         (slurm_job, ["--gpus-per-node", "8", "--gpu-memory", "80"])):
+        out = tmp_path / "job.out"
+        code = main([*job, *devices, "dist.strategy=ddp", "--output", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and not out.exists(), err
+        assert re.search(r"under dist.strategy=ddp needs 1\d\d\.\d GiB per device .* more than the 80\.0 GiB "
+                         r"of .*: set dist.strategy=fsdp train.activation_checkpointing=none \(\d+\.\d GiB", err), err
+        assert main([*job, *devices, "dist.strategy=fsdp", "--output", str(out)]) == 0, capsys.readouterr().err
+        assert out.stat().st_size > 0
+        out.unlink()
+        capsys.readouterr()
+    assert main([*slurm_job, "--gpus-per-node", "0", "--nproc-per-node", "1", "--gpu-memory", "80"]) == 2
+    assert "--gpu-memory 80: give the GiB of one GPU (> 0) of GPU nodes" in capsys.readouterr().err

@@ -114,7 +114,7 @@ def test_plot_writes_png_and_html(resumed_run, tmp_path, capsys):
     raw = png.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
-    assert (width, height) == (1600, 850)
+    assert (width, height) == (1600, 1250)  # 3 x 3 panels: bits per byte and eval tasks too
     page = tmp_path / "curves.html"
     assert main(["plot", str(run_dir), "--out", str(page)]) == 0
     text = page.read_text()
@@ -124,6 +124,7 @@ def test_plot_writes_png_and_html(resumed_run, tmp_path, capsys):
 
     last = read_records(run_dir).train[-1]
     assert f"<td>{last['loss']:.4f}</td>" in text and "<td>1</td></tr>" in text  # loss, 1 restart
+    assert f"<td>{read_records(run_dir).eval[-1]['val_bpb']:.4f}</td>" in text  # bits per byte
     assert capsys.readouterr().out.splitlines() == [f"wrote {png}", f"wrote {page}"]
 
 

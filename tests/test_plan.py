@@ -2,6 +2,7 @@
 peak table, the command's one-line errors, and the report on runs slowed on purpose."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -238,3 +239,65 @@ def test_busbw_json_gives_bandwidth_by_message_size(tmp_path):
     path.write_text(json.dumps({"op": "broadcast", "bytes": 1, "busbw_gbps": 1.0}) + "\n")
     with pytest.raises(UserError, match="no all_reduce records"):
         with_busbw_json(machine, str(path))
+
+
+@pytest.mark.parametrize("preset, instance, overrides, unsharded", [
+    # 8B on 8 x 80 GiB: shards 15 GiB, the gathered model 45 GiB, 4096-token activations ~30 GiB.
+    ("llama-8b", "p5.48xlarge", ("data.seq_len=4096",), False),
+    # The same on 141 GiB H200s: keeping the weights gathered fits.
+    ("llama-8b", "p5e.48xlarge", ("data.seq_len=4096",), True),
+    # The same on 80 GiB with short sequences: the activations no longer push it over.
+    ("llama-8b", "p5.48xlarge", ("data.seq_len=128",), True),
+    ("llama-1b", "g5.48xlarge", ("data.seq_len=2048", "train.activation_checkpointing=full"), True),
+    ("llama-1b", "g5.48xlarge", ("data.seq_len=2048", "train.micro_batch_size=4",
+                                 "train.global_batch_size=64", "train.activation_checkpointing=full"), False),
+])
+def test_plan_and_the_run_decide_the_same_fsdp_accumulation_on_mocked_gpus(
+        repo, tmp_path, monkeypatch, preset, instance, overrides, unsharded):
+    """One decision (plan.fit.accumulates_unsharded): what `plan` prints is what every rank's
+    preflight (device memory mocked: no GPU here) gives the strategy, whose start-up line says it."""
+    import torch
+
+    import podtrain.train.preflight as preflight
+    from synthetic_data import make_data_dir
+    from podtrain.launch.instances import lookup
+    from podtrain.plan.render import render_plan
+    from podtrain.plan.shape import model_shape
+    from podtrain.train.strategy import FSDPStrategy
+
+    inst = lookup(instance)
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda device, local: (
+        2**41 if device.type == "cpu" else int(inst.gpu_memory_gib * 2**30)))  # mocked GPUs, 2 TiB host
+    data = make_data_dir(tmp_path / "data", shard_tokens=(20000,), val_tokens=600)
+    cfg = load_config(str(repo / "configs/demo.yaml"), [
+        f"data.path={data}", f"model.preset={preset}", "model.vocab_size=128256", "dist.strategy=fsdp",
+        "train.micro_batch_size=1", "train.global_batch_size=16", "eval.every=0", *overrides])
+    plan = make_plan(cfg, model_shape(cfg), instance_machine(instance, "auto", None, None), 1, None)
+    checked = preflight.check_run(cfg, inst.gpus, inst.gpus, torch.device("cuda", 0))
+    assert plan.strategy == "fsdp" and plan.note is None
+    assert plan.accumulate_unsharded == checked.accumulate_unsharded == unsharded
+    started = FSDPStrategy("fsdp", (inst.gpus,), None, None, checked.accumulate_unsharded).describe()
+    assert f"gradient accumulation {plan.accumulation}" in render_plan(plan)
+    assert started.endswith(f"gradient accumulation {plan.accumulation}")
+
+
+def test_plan_prints_the_vocabulary_and_batch_it_used_and_refuses_a_batch_the_launchers_refuse(
+        repo, tmp_path, capsys):
+    from synthetic_data import make_data_dir
+
+    demo = str(repo / "configs/demo.yaml")
+    code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.12xlarge", "data.path=/nonexistent")
+    assert code == 0, out.err
+    assert "vocabulary: 320 from the preset's own (/nonexistent has no prepared data here)" in out.out
+    assert ("batch: global 32 sequences = micro-batch 8 x 1 accumulation step(s) x 4 rank(s); "
+            "8,192 tokens per step") in out.out
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+    code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.8xlarge", f"data.path={data}")
+    assert code == 0 and re.search(r"vocabulary: [\d,]+ from the data's tokenizer in ", out.out), out.err
+    # 32 sequences over 8 GPUs x micro-batch 8: `launch slurm` refuses it, so does plan (same check).
+    for argv in (["plan", demo, "--instance-type", "p5.48xlarge"],
+                 ["launch", "slurm", demo, "--instance-type", "p5.48xlarge", "--nodes", "1"]):
+        code, out = _cli(capsys, *argv, "data.path=/nonexistent", f"run.dir={tmp_path / 'run'}")
+        assert code == 2 and out.err.count("\n") == 1, out.err
+        assert ("train.global_batch_size=32 is not divisible by train.micro_batch_size x world size = "
+                "8 x 8 = 64") in out.err

@@ -89,9 +89,11 @@ def test_launch_local_checks_data_and_memory_before_starting_torchrun_on_mocked_
 
     monkeypatch.setattr(preflight, "device_memory_bytes", lambda device, local_ranks: 80 * 2**30)
     for override, expected in ((f"data.path={tmp_path / 'nope'}", "does not exist"),
-                               ("model.preset=llama-8b", "Use FSDP to shard it over the 2 ranks: dist.strategy=fsdp")):
+                               ("model.preset=llama-8b", "under dist.strategy=ddp needs")):
         code = main(["launch", "local", "configs/demo.yaml", "--nproc", "2", f"data.path={data}",
                      f"run.dir={tmp_path / 'run'}", "data.seq_len=32", override])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and expected in err[0], err
+        if override.startswith("model."):  # the refusal names the strategy that fits
+            assert "set dist.strategy=fsdp" in err[0], err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``. Only the chosen module is imported, so ``podtrain launch slurm`` does not pay
-for importing transformers. A ``UserError`` anywhere becomes one line on stderr and exit code 2.
+for importing transformers. A ``UserError`` anywhere becomes one line on stderr and exit code 2,
+and so does a storage failure on a path (read-only or full disk, permissions: ``errors.storage_error``).
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ import importlib
 import sys
 
 from podtrain import __version__
-from podtrain.errors import UserError
+from podtrain.errors import UserError, storage_error
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("prepare",): ("podtrain.data.prepare.cli", "tokenize a corpus into shards + manifest.json"),
+    ("prepare", "merge"): ("podtrain.data.prepare.merge", "join the parts of a --num-parts prepare"),
     ("train",): ("podtrain.train.loop", "train (each rank runs this under torchrun or srun)"),
     ("launch", "local"): ("podtrain.launch.local", "run torchrun on this machine"),
     ("launch", "slurm"): ("podtrain.launch.slurm", "write (and submit) a Slurm batch script"),
     ("launch", "k8s"): ("podtrain.launch.k8s", "write a Kubernetes PyTorchJob manifest"),
     ("sample",): ("podtrain.sample", "generate text from a run's latest weights"),
     ("export",): ("podtrain.export", "write a Hugging Face model folder from a run"),
+    ("eval",): ("podtrain.eval.cli", "lm-eval tasks on a run's checkpoint or an exported folder"),
     ("plot",): ("podtrain.observe.plot", "draw runs' curves (loss, lr, throughput) to PNG or HTML"),
     ("bench", "collectives"): ("podtrain.diagnostics.collectives", "measure collectives' bandwidth"),
     ("doctor",): ("podtrain.diagnostics.doctor", "preflight checks of a cluster before a long run"),
@@ -86,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("podtrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # an OSError, or an error raised from one (a background write's)
+        error = storage_error(exc)
+        if error is None:
+            raise  # a bug, or a failure the user cannot fix by choosing a path: keep the traceback
+        print(f"podtrain: error: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

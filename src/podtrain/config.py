@@ -258,6 +258,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.dist.shard_size is not None and cfg.dist.shard_size < 1:
         raise UserError(f"config key 'dist.shard_size' must be at least 1 (or null: a node's ranks), "
                         f"got {cfg.dist.shard_size}")
+    for key in ("tasks_every", "tasks_limit"):
+        if getattr(cfg.eval, key) < 0:
+            raise UserError(f"config key 'eval.{key}' must be 0 or more, got {getattr(cfg.eval, key)}")
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")

@@ -30,7 +30,7 @@ class ModelSection:
     attn_implementation: str = "sdpa"
     """transformers attention kernel: sdpa, eager, or flash_attention_2 where installed."""
     memory_check: str = "error"
-    """When params + grads + AdamW state cannot fit one device: error, warn, or off."""
+    """When the strategy's memory (state, activations, buffers, reserve: `podtrain plan`'s) cannot fit one device: error, warn, or off."""
 
 
 @dataclass
@@ -65,7 +65,8 @@ class TrainSection:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     compile: bool = False
-    """Wrap the DDP model in torch.compile."""
+    """torch.compile each decoder block (before DDP or FSDP wrap the model; parameter names and
+    checkpoints unchanged)."""
     activation_checkpointing: str = "none"
     """none, or full: recompute each decoder layer's activations in backward (less memory,
     about a third more compute), under every dist.strategy."""
@@ -101,12 +102,19 @@ class OptimSection:
 
 @dataclass
 class EvalSection:
-    """Validation loss on the held-out split."""
+    """Validation loss (and bits per byte) on the held-out split; lm-eval tasks."""
 
     every: int = 100
     """Evaluate every N steps and at the end; 0 disables evaluation."""
     max_batches: int = 20
     """Micro-batches per rank per evaluation (bounded so evaluation stays cheap)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks scored during training, each rank its share (podtrain-next-line is made from
+    data.path's validation split, offline; others as in `podtrain eval`). Needs podtrain[eval]."""
+    tasks_every: int = 0
+    """Score eval.tasks every N steps and at the end; 0: at the end only."""
+    tasks_limit: int = 200
+    """Documents per task per scoring (0: all of them)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 from podtrain import __version__
 from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
 from podtrain.errors import UserError
-from podtrain.fsutil import file_mode
+from podtrain.fsutil import file_mode, writable_dir
 
 EXPORT_INFO = "podtrain_export.json"
 
@@ -47,6 +47,7 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
     """Write the Hugging Face folder; returns what ``podtrain_export.json`` records."""
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise UserError(f"{out_dir} exists and is not empty (choose another OUT_DIR or pass --force)")
+    writable_dir(out_dir.parent)  # a read-only or full disk: one line before any work
     ckpt = load_latest(run_dir)
     run_config = run_config_of(run_dir, ckpt)
     model = build_model_from_checkpoint(ckpt, run_config)
@@ -62,7 +63,6 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
         model.config.eos_token_id = model.config.bos_token_id = eos
         model.generation_config.eos_token_id = model.generation_config.bos_token_id = eos
         model.generation_config.pad_token_id = eos
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         _save_quietly(model, tmp)

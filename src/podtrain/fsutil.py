@@ -6,11 +6,12 @@ never half of it, even when the writer is killed mid-write.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 FILE_MODE = 0o644
 """Mode of published files when the umask cannot be read (what open() gives under umask 022)."""
@@ -29,6 +30,38 @@ def file_mode() -> int:
     except (OSError, ValueError):
         pass
     return FILE_MODE
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Around writes to ``path``: an ``OSError`` that does not name its file (a buffered write, a
+    flush, an fsync on an open file: the OS only gives the errno) gets ``path`` as its filename,
+    so the one line ``errors.storage_error`` makes of a full or read-only disk says where."""
+    try:
+        yield
+    except OSError as exc:
+        if not exc.filename:
+            exc.filename = str(path)
+        raise
+
+
+def writable_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and its parents) and prove a file can be created in it; returns it.
+
+    Called before work that would write there much later (a run's first checkpoint), so that a
+    read-only or full disk, or a file where the folder should be, fails at once: the ``OSError``
+    names the path, and ``errors.storage_error`` makes it one line.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with naming(path):
+        fd, probe = tempfile.mkstemp(prefix=".podtrain-probe-", dir=path)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    return path
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,12 +90,13 @@ def publish_temp(fh: BinaryIO, tmp: Path, path: Path) -> None:
     users' tools, so the file gets the mode a plain open() would have given; then its data is
     made durable before the rename, and the rename after it.
     """
-    os.fchmod(fh.fileno(), file_mode())
-    fh.flush()
-    os.fsync(fh.fileno())
-    fh.close()
-    os.replace(tmp, path)
-    fsync_dir(Path(path).parent)
+    with naming(path):
+        os.fchmod(fh.fileno(), file_mode())
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        os.replace(tmp, path)
+        fsync_dir(Path(path).parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -71,7 +105,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fh, tmp = open_temp(path)
     try:
-        with fh:
+        with naming(path), fh:
             fh.write(data)
             publish_temp(fh, tmp, path)
     except BaseException:

@@ -108,6 +108,19 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
     return read_checkpoint(choice.path, choice.manifest)
 
 
+def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
+    """A run's checkpoint of ``step``, read into memory; a UserError naming the steps there when
+    it is absent or not valid."""
+    root = Path(run_dir) / layout.CKPT_SUBDIR
+    path = root / layout.step_name(step)
+    verdict = layout.verify(path) if path.is_dir() else None
+    if verdict is None or not verdict.ok:
+        steps = [s for s, _ in layout.list_checkpoints(root)] if root.is_dir() else []
+        why = verdict.reason if verdict is not None else "no such checkpoint"
+        raise UserError(f"{path}: {why} (checkpoints of {run_dir}: {', '.join(map(str, steps)) or 'none'})")
+    return read_checkpoint(path, verdict.manifest)
+
+
 def run_config_of(run_dir: str | os.PathLike, ckpt: CheckpointData) -> dict[str, Any]:
     """The run's resolved config: the checkpoint's own copy, else ``RUN_DIR/config.yaml``."""
     config = ckpt.state.get("train_state", {}).get("config")

@@ -47,7 +47,7 @@ from podtrain.diagnostics.checks import (FAIL, INFO, OK, Check, check_compute, c
 from podtrain.distributed.env import ClusterEnv, launcher_variables
 from podtrain.distributed.health import write_verdict
 from podtrain.distributed.placement import ipv4_of
-from podtrain.errors import UserError
+from podtrain.errors import UserError, storage_error
 from podtrain.observe.hardware import best_matmul_seconds
 
 # ---------------------------------------------------------------------------------------------
@@ -347,14 +347,26 @@ def run(args: argparse.Namespace) -> int:
             return 1
         report = run_doctor(ctx, opts)
     if ctx.is_main:
-        if opts.run_dir:  # the culprits, for the scheduler to avoid (podtrain.distributed.health)
-            for check in report.failed:
-                for culprit in check.culprits:
-                    write_verdict(opts.run_dir, "doctor", culprit["host"], culprit["rank"],
-                                  {"check": check.name, "detail": check.detail})
-        print(report.format(), flush=True)
+        print(report.format(), flush=True)  # first: an unwritable run dir is a finding, not a crash
+        if opts.run_dir:
+            _record_culprits(report, opts.run_dir)
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(
                 {"ok": not report.failed, "hosts": report.hosts,
                  "checks": [asdict(c) for c in report.checks]}, indent=1))
     return 1 if report.failed else 0
+
+
+def _record_culprits(report: DoctorReport, run_dir: str) -> None:
+    """The failed checks' culprits as verdicts under RUN_DIR/health, for the scheduler to avoid
+    (``podtrain.distributed.health``); where the run dir cannot take them (its own check failed)
+    one line says so."""
+    try:
+        for check in report.failed:
+            for culprit in check.culprits:
+                write_verdict(run_dir, "doctor", culprit["host"], culprit["rank"],
+                              {"check": check.name, "detail": check.detail})
+    except OSError as exc:
+        error = storage_error(exc)
+        print(f"podtrain doctor: verdicts not recorded under {run_dir}: "
+              f"{error if error is not None else exc}", file=sys.stderr)

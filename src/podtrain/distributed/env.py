@@ -8,6 +8,9 @@ Three cases, checked in this order:
   host of SLURM_JOB_NODELIST as the rendezvous address.
 * ``single``: one process, no launcher.
 
+``task_slot`` also reads the Slurm job-array variables (SLURM_ARRAY_TASK_*), for the tasks of
+``podtrain prepare --num-parts``.
+
 Everything here is pure: ``ClusterEnv.detect(environ)`` takes a mapping so tests need no processes.
 """
 
@@ -199,6 +202,29 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
 def _check_rank(rank: int, world: int, rank_key: str, world_key: str) -> None:
     if world < 1 or not 0 <= rank < world:
         raise UserError(f"launcher variables {rank_key}={rank} and {world_key}={world} disagree")
+
+
+def task_slot(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(index, count)`` of this process among the tasks of a Slurm job array and/or ``srun`` step.
+
+    An array task counts from ``SLURM_ARRAY_TASK_MIN`` (``--array=1-8`` gives 0..7); under ``srun -n
+    K`` inside an array task the index is ``array_index * K + SLURM_PROCID``. ``None`` outside Slurm
+    (used by ``podtrain prepare --num-parts N`` to pick its part when ``--part`` is not given).
+    """
+    env = os.environ if environ is None else environ
+    index, count = 0, 1
+    if env.get("SLURM_ARRAY_TASK_ID"):
+        lo = _int(env, "SLURM_ARRAY_TASK_MIN", 0)
+        hi = _int(env, "SLURM_ARRAY_TASK_MAX", _int(env, "SLURM_ARRAY_TASK_ID"))
+        index, count = _int(env, "SLURM_ARRAY_TASK_ID") - lo, _int(env, "SLURM_ARRAY_TASK_COUNT", hi - lo + 1)
+        _check_rank(index, count, "SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
+    elif "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        _check_rank(rank, world, "SLURM_PROCID", "SLURM_NTASKS")
+        index, count = index * world + rank, count * world
+    return index, count
 
 
 def launcher_variables(environ: Mapping[str, str] | None = None, prefixes: tuple[str, ...] = (

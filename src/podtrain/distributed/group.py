@@ -20,7 +20,7 @@ import torch.distributed as dist
 from podtrain.config import CHOICES
 from podtrain.distributed.env import ClusterEnv, omp_num_threads, threads_per_rank
 from podtrain.distributed.recorder import CollectiveRecorder
-from podtrain.errors import UserError
+from podtrain.errors import UserError, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,16 @@ BACKENDS = CHOICES["dist.backend"]
 def accelerator_name(device: torch.device) -> str | None:
     """The GPU's product name (e.g. "NVIDIA H100 80GB HBM3"), or None on the CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def accelerator_available() -> bool:
+    """True when this machine has a CUDA GPU torch can use (no CUDA context is created)."""
+    return torch.cuda.is_available()
+
+
+def accelerator_capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability (8, 0 for an A100; 9, 0 for an H100), or None on the CPU."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def peak_allocated_bytes(device: torch.device) -> int | None:
@@ -77,6 +87,10 @@ class DistContext:
         initialized: whether a torch.distributed process group exists (world size > 1, or any
             world size under torchrun).
         recorder: this rank's last collectives, dumped by the hang watchdog.
+        timeout_s: the collective timeout in force (start-up's until ``startup_done``).
+        steady_timeout_s: the collective timeout after the first completed step of this process.
+        subgroups: the groups this job made besides the default one (HSDP's mesh), created with
+            ``timeout_s`` and switched with the default group.
     """
 
     env: ClusterEnv
@@ -84,6 +98,10 @@ class DistContext:
     device: torch.device
     initialized: bool
     recorder: CollectiveRecorder = field(default_factory=CollectiveRecorder)
+    timeout_s: float = 600.0
+    steady_timeout_s: float = 1800.0
+    subgroups: list = field(default_factory=list)
+    _steady: bool = False
 
     @property
     def rank(self) -> int:
@@ -141,9 +159,10 @@ class DistContext:
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed, so none waits in a collective for a rank
         that stopped. Ranks without an error of their own raise one naming the failed rank and
-        host (a UserError when the original was one); a rank with its own error returns, for its
+        host (a UserError when the original was one, or a storage failure: ``storage_error``); a rank with its own error returns, for its
         caller to re-raise the original with its traceback."""
-        mine = None if error is None else (isinstance(error, UserError), str(error))
+        user = error if isinstance(error, UserError) else storage_error(error) if error is not None else None
+        mine = None if error is None else (user is not None, str(user or error))
         reports = self.all_gather_object((self.env.hostname, mine))
         if error is not None:
             return
@@ -163,12 +182,44 @@ class DistContext:
         self.agree(None)
         return result
 
-    def set_timeout(self, seconds: float) -> None:
-        """Change the collective timeout of the default group (e.g. start-up to steady state)."""
-        if self.initialized:
-            from torch.distributed import distributed_c10d
+    def new_subgroups(self, ranks_per_group: list[list[int]]) -> Any:
+        """Create one group per rank list (every rank calls, with the same lists) under the
+        collective timeout in force, not NCCL's default 10 minutes; returns this rank's group.
+        ``set_timeout`` switches them with the default group."""
+        mine, _ = dist.new_subgroups_by_enumeration(
+            ranks_per_group, timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.subgroups.append(mine)
+        return mine
 
-            distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+    def set_timeout(self, seconds: float) -> None:
+        """Change the collective timeout of the default group and of ``subgroups``.
+
+        ``ProcessGroup.set_timeout`` where torch has it (public); older torch only has the private
+        ``distributed_c10d._set_pg_timeout``, which is used then. Neither: the start-up timeout
+        stays (the hang watchdog still enforces dist.timeout_s per step), with one warning.
+        """
+        self.timeout_s = seconds
+        if not self.initialized:
+            return
+        from torch.distributed import distributed_c10d
+
+        delta = datetime.timedelta(seconds=seconds)
+        for group in [dist.group.WORLD, *self.subgroups]:
+            if hasattr(group, "set_timeout"):
+                group.set_timeout(delta)
+            elif hasattr(distributed_c10d, "_set_pg_timeout"):
+                distributed_c10d._set_pg_timeout(delta, group)
+            else:
+                log.warning("torch %s cannot change a process group's timeout: collectives keep the "
+                            "start-up timeout of dist.init_timeout_s", torch.__version__)
+                return
+
+    def startup_done(self) -> None:
+        """After the first completed step of this process, whatever step it started from (a
+        resumed run too): the steady-state timeout, once."""
+        if not self._steady:
+            self._steady = True
+            self.set_timeout(self.steady_timeout_s)
 
 
 @contextlib.contextmanager
@@ -183,7 +234,7 @@ def process_group(
     The device is bound from LOCAL_RANK *before* the group is created (NCCL picks the current
     device). ``init_timeout_s`` bounds the rendezvous and the first collectives (start-up can be
     slow on a big cluster); ``timeout_s`` is the steady-state collective timeout switched to by
-    ``DistContext.set_timeout`` once the first step completes.
+    ``DistContext.startup_done`` once this process's first step completes.
     """
     env = env or ClusterEnv.detect()
     name = resolve_backend(backend)
@@ -202,8 +253,8 @@ def process_group(
                 name, init_method=f"tcp://{_bracket_ipv6(env.master_addr)}:{env.master_port}",
                 rank=env.rank, world_size=env.world_size, timeout=timeout)
         initialized = True
-    ctx = DistContext(env=env, backend=name, device=device,
-                      initialized=initialized or dist.is_initialized())
+    ctx = DistContext(env=env, backend=name, device=device, initialized=initialized or dist.is_initialized(),
+                      timeout_s=init_timeout_s, steady_timeout_s=timeout_s)
     try:
         yield ctx
     finally:

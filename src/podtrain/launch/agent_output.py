@@ -7,6 +7,10 @@ what the workers said. ``AgentOutput`` reads the agents' pipes and passes the wo
 through, except their final ``podtrain: error:`` line (``launch local`` prints the job's one
 verdict line itself, once); torchrun's own lines go to ``RUN_DIR/logs/torchrun_<id>.log`` and are
 kept in memory for the exit summary (``exit_report.torchrun_exit_codes``).
+
+The log file is a convenience: when it cannot be written (a full or read-only disk) the pumping
+goes on without it, so the workers never block on a full pipe and the job still ends with their
+verdict; ``log_error`` says why the file is incomplete.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import IO
+
+from podtrain.errors import storage_error
 
 WORKER_LINE = re.compile(r"^\[[A-Za-z_]+\d+\]:")
 """torchrun's prefix on a tee'd worker line, e.g. ``[default0]:``."""
@@ -34,7 +40,13 @@ class AgentOutput:
     def __init__(self, agents: list[subprocess.Popen], log_path: Path) -> None:
         """Start one reader thread per pipe of ``agents``; torchrun's lines go to ``log_path``."""
         self.log_path = log_path
-        self._log = open(log_path, "a", encoding="utf-8")
+        self.log_error: str | None = None
+        """Why ``log_path`` is incomplete (a storage error's one line), or None."""
+        self._log: IO[str] | None = None
+        try:
+            self._log = open(log_path, "a", encoding="utf-8")
+        except OSError as exc:
+            self._log_failed(exc)
         self._kept: list[str] = []
         self._kept_chars = 0
         self._lock = threading.Lock()
@@ -63,31 +75,15 @@ class AgentOutput:
                     console.flush()
                 continue
             with self._lock:
-                self._write_log(line)
+                if self._log is not None:
+                    try:
+                        self._log.write(line)
+                    except OSError as exc:
+                        self._log_failed(exc)
                 if self._kept_chars < MAX_KEPT_CHARS:
                     self._kept.append(line)
                     self._kept_chars += len(line)
         pipe.close()
-
-    def _write_log(self, line: str) -> None:
-        # The log lives in the run directory: when its disk fills up (a checkpoint ran out of
-        # space), losing torchrun's lines must not crash the launcher and hide the workers' verdict.
-        if self._log is not None:
-            try:
-                self._log.write(line)
-            except OSError as err:
-                self._close_log(err)
-
-    def _close_log(self, err: OSError | None = None) -> None:
-        log, self._log = self._log, None
-        try:
-            if log is not None:
-                log.close()
-        except OSError as close_err:
-            err = err or close_err
-        if err is not None:
-            print(f"podtrain: warning: {self.log_path}: {err.strerror or err}; torchrun's own lines "
-                  "were not all kept there", file=sys.stderr)
 
     def __enter__(self) -> "AgentOutput":
         return self
@@ -95,4 +91,22 @@ class AgentOutput:
     def __exit__(self, *exc: object) -> None:
         for thread in self._threads:
             thread.join()
-        self._close_log()
+        if self._log is not None:
+            try:
+                self._log.close()
+            except OSError as exc:  # its buffer's last flush
+                self._log = None
+                self._log_failed(exc)
+
+    def _log_failed(self, exc: OSError) -> None:
+        """Stop writing the log (closing what can be closed) and remember why, once."""
+        log, self._log = self._log, None
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass  # the same failure again: its buffer cannot be flushed either
+        if self.log_error is None:
+            exc.filename = exc.filename or str(self.log_path)  # a buffered write names no file
+            error = storage_error(exc)
+            self.log_error = str(error) if error is not None else f"{type(exc).__name__}: {exc}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from podtrain.errors import UserError
+from podtrain.errors import UserError, storage_error
 
 EXIT_REPORT_DIR = "PODTRAIN_EXIT_REPORT_DIR"
 """Environment variable naming the directory where each rank writes ``rank_<R>.json``."""
@@ -41,7 +41,8 @@ class ExitReport:
 @contextlib.contextmanager
 def recording(rank: int) -> Iterator[ExitReport]:
     """Around a rank's whole ``train`` command: the body sets ``code``/``step`` on success; a
-    ``UserError`` records its code and message, ``KeyboardInterrupt`` 130, any other exception 1
+    ``UserError`` or a storage failure (``errors.storage_error``) records 2 and its one line,
+    ``KeyboardInterrupt`` 130, any other exception 1
     with its type and message (the traceback still goes to stderr). Exceptions propagate."""
     report = ExitReport(rank=rank)
     try:
@@ -53,7 +54,9 @@ def recording(rank: int) -> Iterator[ExitReport]:
         report.code, report.message = 130, "interrupted"
         raise
     except BaseException as exc:
-        report.code, report.message = 1, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        storage = storage_error(exc)  # a full or read-only disk is the user's to fix: 2, one line
+        report.code, report.message = ((storage.exit_code, str(storage)) if storage is not None else
+                                       (1, f"{type(exc).__name__}: {exc}".splitlines()[0]))
         raise
     finally:
         _write(report)

@@ -22,6 +22,7 @@ import yaml
 from podtrain.config import RunConfig, accumulation_steps, load_config, to_dict
 from podtrain.errors import UserError
 from podtrain.launch.instances import InstanceType, lookup, resolve_gpus
+from podtrain.plan.fit import Devices, check_memory
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,12 @@ class JobSpec:
 
 def build_spec(config: str, overrides: Sequence[str], nodes: int, gpus_per_node: int | None,
                nproc_per_node: int | None, instance_type: str | None,
-               min_nodes: int | None = None) -> JobSpec:
+               min_nodes: int | None = None, gpu_memory_gib: float | None = None) -> JobSpec:
     """Validate the launch flags and the training config; raise UserError on the first problem.
 
     ``min_nodes`` is the smallest world an elastic job may shrink to; the batch arithmetic must
-    work for every node count between it and ``nodes``.
+    work for every node count between it and ``nodes``, and the memory (``check_job_memory``) at
+    the smallest.
     """
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {nodes}")
@@ -73,7 +75,25 @@ def build_spec(config: str, overrides: Sequence[str], nodes: int, gpus_per_node:
         raise UserError(f"--min-nodes must be between 1 and --nodes ({nodes}), got {low}")
     for n in range(low, nodes + 1):
         accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, n * nproc)
+    check_job_memory(cfg, low * nproc, nproc, gpus, instance, gpu_memory_gib)
     return JobSpec(nodes=nodes, nproc_per_node=nproc, gpus_per_node=gpus, instance=instance, cfg=cfg)
+
+
+def check_job_memory(cfg: RunConfig, world: int, nproc: int, gpus: int, instance: InstanceType | None,
+                     gpu_memory_gib: float | None) -> None:
+    """``podtrain plan``'s memory check (``plan.fit.check_memory``) for the job's GPUs: memory from
+    ``--gpu-memory`` GiB, else the instance type; without either (or on CPU) nothing is known."""
+    if gpu_memory_gib is not None and (gpu_memory_gib <= 0 or gpus == 0):
+        raise UserError(f"--gpu-memory {gpu_memory_gib:g}: give the GiB of one GPU (> 0) of GPU nodes")
+    if gpu_memory_gib is not None:
+        devices = Devices(f"one GPU (--gpu-memory {gpu_memory_gib:g})", nproc, int(gpu_memory_gib * 2**30), True)
+    elif instance is not None and gpus:
+        devices = Devices(f"each {instance.name} GPU", nproc, int(instance.gpu_memory_gib * 2**30), True)
+    else:
+        return
+    from podtrain.plan.shape import model_shape
+
+    check_memory(cfg, model_shape(cfg), devices, world, cfg.model.memory_check)
 
 
 def _resolve_nproc(gpus: int, nproc: int | None) -> int:
@@ -174,3 +194,11 @@ def add_job_arguments(parser: "argparse.ArgumentParser", unit: str, shipped_in: 
                         help=f"seconds torchrun waits for all {unit}s at rendezvous (default 600)")
     parser.add_argument("--instance-type", default=None,
                         help="preset filling GPUs and EFA devices, e.g. p5.48xlarge, p4d.24xlarge")
+    add_gpu_memory_argument(parser)
+
+
+def add_gpu_memory_argument(parser: "argparse.ArgumentParser") -> None:
+    """``--gpu-memory GIB``: the memory of one GPU, for the memory check ``podtrain plan`` makes."""
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="GiB of one GPU (default: the instance type's): the job is refused "
+                             "before anything is written when it does not fit, as `podtrain plan` says")

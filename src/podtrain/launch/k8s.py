@@ -92,7 +92,8 @@ def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
     _check_kind(args)
     check_image(args.image)
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
-                      args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes)
+                      args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes,
+                      gpu_memory_gib=args.gpu_memory)
     hyperpod = args.hyperpod_auto_resume or args.kind == "hyperpodpytorchjob"
     name = dns_label(args.name or f"podtrain-{Path(spec.cfg.run.dir).name}", limit=40)
     namespace = _namespace(args.namespace, args.hyperpod_auto_resume)

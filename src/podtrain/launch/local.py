@@ -10,7 +10,8 @@ rendezvous: the same code path as M real nodes.
 
 The terminal sees the workers' output and one closing line, never torchrun's tracebacks
 (``agent_output.py``; torchrun's own log is kept in RUN_DIR/logs). The exit status is the
-workers' (``exit_report.py``): 0, 2 with the rank's one-line reason, 124 after a hang, and after
+workers' (``exit_report.py``), even when RUN_DIR's disk fills up or turns read-only under the
+job (the log is then incomplete, and says so in one line): 0, 2 with the rank's one-line reason, 124 after a hang, and after
 Ctrl-C or SIGTERM (relayed once to the agents, which run in their own sessions) 130 or 143 with
 "stopped by SIGINT at step N, checkpoint step_N saved; run the same command to resume".
 """
@@ -30,8 +31,10 @@ from typing import Sequence
 from podtrain.config import accumulation_steps, load_config
 from podtrain.distributed.env import threads_per_rank
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch.agent_output import AgentOutput
 from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
+from podtrain.launch.jobspec import add_gpu_memory_argument
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
 from podtrain.launch.torchrun import TORCHRUN_MODULE, TRAIN_MODULE, torchrun_flags, worker_env
 
@@ -47,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
     parser.add_argument("--join-timeout", type=int, default=60,
                         help="seconds an agent waits for the others at rendezvous (default 60)")
+    add_gpu_memory_argument(parser)
 
 
 def free_port() -> int:
@@ -87,12 +91,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
-    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc)
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory {args.gpu_memory:g}: give the GiB of one GPU (> 0)")
+    _check_before_starting(cfg, args.nproc * args.nnodes, args.nproc,  # writes nothing
+                           None if args.gpu_memory is None else int(args.gpu_memory * 2**30))
+    log_dir = writable_dir(Path(cfg.run.dir) / "logs")  # a read-only or full disk: one line, now
     port = args.port or free_port()
     rdzv_id = uuid.uuid4().hex[:8]
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
-    log_dir = Path(cfg.run.dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="podtrain-exit-") as reports_dir:
         env[EXIT_REPORT_DIR] = reports_dir
         # Own sessions: a terminal's Ctrl-C reaches only us, and we relay it once (a second
@@ -107,15 +113,19 @@ def run(args: argparse.Namespace) -> int:
         with AgentOutput(agents, log_dir / f"torchrun_{rdzv_id}.log") as output:
             agent_codes, received = wait_forwarding_signals(agents)
         reports = read_reports(reports_dir)
+    if output.log_error is not None:  # the workers' verdict below still stands
+        print(f"podtrain: warning: torchrun's log {output.log_path} is incomplete: {output.log_error}",
+              file=sys.stderr)
     return job_verdict(Path(cfg.run.dir), agent_codes, received, reports, output.torchrun_text,
                        output.log_path)
 
 
-def _check_before_starting(cfg, world_size: int, local_world_size: int) -> None:
-    """The checks every rank would make at start (data, vocabulary, model, memory), made once
-    here: a mistake is then one line and exit code 2, not a worker failure inside torchrun."""
+def _check_before_starting(cfg, world_size: int, local_world_size: int, device_bytes: int | None) -> None:
+    """The checks every rank would make at start (data, vocabulary, model, memory: ``podtrain
+    plan``'s check, against ``device_bytes`` when given), made once here: a mistake is then one
+    line and exit code 2, not a worker failure inside torchrun."""
     from podtrain.distributed.group import resolve_backend, resolve_device
     from podtrain.train.preflight import check_run
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)
-    check_run(cfg, world_size, local_world_size, device)
+    check_run(cfg, world_size, local_world_size, device, device_bytes)

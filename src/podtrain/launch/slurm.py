@@ -144,7 +144,7 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
     """Validate every flag and the training config; raise UserError before anything is written."""
     cwd = cwd or Path.cwd()
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
-                      args.nproc_per_node, args.instance_type)
+                      args.nproc_per_node, args.instance_type, gpu_memory_gib=args.gpu_memory)
     preemption = parse_preemption(args.signal)
     _check_preemption(preemption, spec, args.time)
     if args.max_restarts < 0 or args.join_timeout < 1:
@@ -320,9 +320,12 @@ def _after_preemption(requeue: bool) -> str:
     return '  echo "podtrain: submit the script again to resume (--requeue does it by itself)"\n'
 
 
-def submit(script: Path) -> str:
-    """``sbatch SCRIPT``; returns the job id. UserError with sbatch's message when it refuses."""
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+def submit(script: Path, log_dir: Path | None = None) -> str:
+    """``sbatch SCRIPT``, with the job's log in ``log_dir`` when given (the script's own
+    ``#SBATCH --output`` is sbatch's directory); returns the job id. UserError with sbatch's
+    message when it refuses."""
+    output = [f"--output={log_dir}/%x-%j.out"] if log_dir else []
+    proc = subprocess.run(["sbatch", "--parsable", *output, str(script)], capture_output=True, text=True,
                           timeout=120)
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
@@ -342,22 +345,23 @@ def run(args: argparse.Namespace) -> int:
     if target is None:
         sys.stdout.write(script)
         return 0
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(script)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(script)
+    except OSError as exc:
+        raise UserError(f"--output {target}: cannot write it ({exc.strerror})") from None
     target.chmod(0o755)
     print(f"podtrain: wrote {target}", file=sys.stderr)
-    if args.submit:
-        # sbatch cannot create the directory of --output: without it the job fails with no log.
-        _make_log_dir(Path(job.run_dir) / "logs")
-        job_id = submit(target)
-        print(f"podtrain: submitted job {job_id}; log {job.run_dir}/logs/{job.job_name}-{job_id}.out",
-              file=sys.stderr)
-    return 0
-
-
-def _make_log_dir(path: Path) -> None:
+    if not args.submit:
+        print(f"podtrain: submit it with `sbatch {target}` from any directory; the log is "
+              f"{job.job_name}-JOBID.out in that directory, linked from {job.run_dir}/logs/", file=sys.stderr)
+        return 0
+    # sbatch cannot create the directory of --output: without it the job fails with no log.
+    log_dir = Path(job.run_dir) / "logs"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"podtrain: warning: could not create {path} ({exc.strerror}); create it on the "
-              "cluster before sbatch, or the job fails without a log", file=sys.stderr)
+        raise UserError(f"run.dir {job.run_dir}: cannot create {log_dir} for the job's log ({exc.strerror})") from None
+    job_id = submit(target, log_dir)
+    print(f"podtrain: submitted job {job_id}; log {log_dir}/{job.job_name}-{job_id}.out", file=sys.stderr)
+    return 0

@@ -3,12 +3,14 @@ then forwarded to the experiment trackers (``observe/trackers.py``) so they show
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from podtrain.fsutil import naming
 from podtrain.observe.records import METRICS_FILE, segment_record
 from podtrain.observe.trackers import Tracker, open_trackers
 
@@ -33,9 +35,18 @@ class MetricsWriter:
         """Append ``record`` (rank 0; a no-op elsewhere)."""
         if self._fh is None:
             return
-        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            with naming(self.path):
+                self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+        except OSError:
+            # A full or read-only disk: drop the file (its unflushed line with it) so that the
+            # clean-up's close() cannot fail again and skip the rest of the run's teardown.
+            fh, self._fh = self._fh, None
+            with contextlib.suppress(OSError):
+                fh.close()
+            raise
         for tracker in self._trackers:
             tracker.log(record)
 

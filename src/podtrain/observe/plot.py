@@ -1,7 +1,7 @@
 """``podtrain plot RUN_DIR... [--out FILE.png|FILE.html]``: a run's curves in one picture.
 
-Six panels against tokens seen: training and validation loss, learning rate, gradient norm,
-tokens/s, MFU and data wait; several run directories are overlaid, one colour each, and every
+Panels against tokens seen: training and validation loss, learning rate, gradient norm,
+tokens/s, MFU, data wait, validation bits per byte and the lm-eval tasks' accuracies (``eval.tasks``); several run directories are overlaid, one colour each, and every
 restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
 ``observe/records.py``. ``.html`` writes one self-contained file: the PNG embedded plus a table of
 each run's final numbers. Needs matplotlib (``pip install 'podtrain[plot]'``).
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.observe.records import RunRecords, read_records
 
 # (panel title, record field, scale to the shown unit, y label)
@@ -46,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         if not r.train:
             raise UserError(f"{r.run_dir / 'metrics.jsonl'} holds no training records yet")
+    writable_dir(out.parent)  # before drawing: a read-only disk is one line at once
     png = render_png(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".png":
         out.write_bytes(png)
     else:
@@ -76,7 +77,7 @@ def _series(records: list[dict[str, Any]], key: str, scale: float) -> tuple[list
 def render_png(runs: list[RunRecords]) -> bytes:
     """The six panels as PNG bytes (one colour per run, restarts dotted)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    fig, axes = plt.subplots(3, 3, figsize=(16, 12.5), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, records in enumerate(runs):
         colour, name = colours[i % len(colours)], _label(records, runs)
@@ -92,6 +93,8 @@ def render_png(runs: list[RunRecords]) -> bytes:
             ax.set_xlabel("tokens seen")
             ax.set_ylabel(unit)
             ax.grid(True, alpha=0.3)
+        _eval_panels(axes.flat[len(PANELS)], axes.flat[len(PANELS) + 1], records, colour, name)
+    axes.flat[-1].axis("off")
     axes.flat[0].legend(fontsize=8)
     if any(r.restarts for r in runs):
         axes.flat[1].plot([], [], color="grey", ls=":", label="restart (resumed)")
@@ -101,6 +104,27 @@ def render_png(runs: list[RunRecords]) -> bytes:
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def task_metrics(records: list[dict[str, Any]]) -> list[str]:
+    """The lm-eval accuracy fields of evaluation records (``podtrain-next-line/acc``...), sorted."""
+    return sorted({k for r in records for k in r if "/" in k and k.rsplit("/", 1)[-1] in ("acc", "acc_norm")})
+
+
+def _eval_panels(bpb_ax, tasks_ax, records: RunRecords, colour: str, name: str) -> None:
+    """Validation bits per byte, and one line per task metric (a marker style each)."""
+    xs, ys = _series(records.eval, "val_bpb", 1.0)
+    bpb_ax.plot(xs, ys, color=colour, marker="o", ms=4, label=name)
+    for (key, style) in zip(task_metrics(records.eval), ("-", "--", ":", "-.") * 8):
+        tx, ty = _series(records.eval, key, 1.0)
+        tasks_ax.plot(tx, ty, color=colour, ls=style, marker="s", ms=4, label=f"{name} {key}")
+    for ax, title, unit in ((bpb_ax, "validation bits per byte", "bits/byte"), (tasks_ax, "eval tasks", "accuracy")):
+        ax.set_title(title)
+        ax.set_xlabel("tokens seen")
+        ax.set_ylabel(unit)
+        ax.grid(True, alpha=0.3)
+    if tasks_ax.lines:
+        tasks_ax.legend(fontsize=8)
 
 
 def _label(records: RunRecords, runs: list[RunRecords]) -> str:
@@ -115,10 +139,13 @@ def summary_rows(runs: list[RunRecords]) -> list[dict[str, str]]:
     for r in runs:
         last = r.train[-1]
         mfus = [t["mfu"] for t in r.train if t.get("mfu") is not None]
+        vals = [e for e in r.eval if "val_loss" in e]
         rows.append({
             "run": _label(r, runs), "step": str(last["step"]), "tokens": f"{last.get('tokens_seen', 0):,}",
             "train loss": f"{last['loss']:.4f}",
-            "validation loss": f"{r.eval[-1]['val_loss']:.4f}" if r.eval else "n/a",
+            "validation loss": f"{vals[-1]['val_loss']:.4f}" if vals else "n/a",
+            "bits/byte": f"{vals[-1]['val_bpb']:.4f}" if vals and "val_bpb" in vals[-1] else "n/a",
+            **{key: f"{[e for e in r.eval if key in e][-1][key]:.4f}" for key in task_metrics(r.eval)},
             "tokens/s (mean)": f"{sum(t['tokens_per_s'] for t in r.train) / len(r.train):,.0f}",
             "MFU (mean)": f"{100 * sum(mfus) / len(mfus):.1f}%" if mfus else "n/a",
             "restarts": str(len(r.restarts)),
@@ -129,8 +156,9 @@ def summary_rows(runs: list[RunRecords]) -> list[dict[str, str]]:
 def render_html(runs: list[RunRecords], png: bytes) -> str:
     """One self-contained page: the PNG inline (base64) and the summary table."""
     rows = summary_rows(runs)
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row.values()) + "</tr>"
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # runs may have different tasks
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(row.get(k, 'n/a'))}</td>" for k in keys) + "</tr>"
                    for row in rows)
     image = base64.b64encode(png).decode("ascii")
     return ("<!doctype html><html><head><meta charset='utf-8'><title>podtrain plot</title>"

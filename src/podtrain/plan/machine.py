@@ -19,6 +19,9 @@ import torch
 from podtrain.distributed.env import omp_num_threads, threads_per_rank
 from podtrain.errors import UserError
 from podtrain.launch import instances
+from podtrain.plan.calibrate import calibrate
+from podtrain.plan.fit import Devices
+from podtrain.plan.memory import ModelShape
 from podtrain.observe.hardware import PEAK_FLOPS, best_matmul_seconds, device_memory_bytes
 
 # Share of the dense peak a well-tuned dense-transformer training step sustains on a GPU in
@@ -60,6 +63,7 @@ class Machine:
         is_gpu: whether activations are in the 16-bit compute dtype and CUDA reserves memory.
         busbw_source: where the bandwidths come from, for the output.
         busbw_table: (bytes, busbw) pairs measured by ``bench collectives`` (empty: a constant).
+        compute_source: where peak and efficiency come from, for the output.
     """
 
     name: str
@@ -74,6 +78,13 @@ class Machine:
     is_gpu: bool
     busbw_source: str
     busbw_table: tuple[tuple[int, float], ...] = ()
+    compute_source: str = "datasheet peak x published efficiency"
+
+    @property
+    def devices(self) -> "Devices":
+        """The memory side of these devices, as the memory check takes it (``plan.fit``)."""
+        what = f"each {self.name} GPU" if self.is_gpu else "each local rank's share of host memory"
+        return Devices(what, self.devices_per_node, self.device_memory_bytes, self.is_gpu)
 
     @property
     def sustained_flops(self) -> float:
@@ -116,24 +127,38 @@ def instance_machine(name: str, precision: str, efficiency: float | None,
                                   "network across nodes)")
 
 
-def local_machine(ranks: int, efficiency: float | None, price: float | None) -> Machine:
-    """This host measured, as ``ranks`` CPU ranks would see it: each rank's share of the cores runs
-    the same fp32 matmul as the training loop's MFU peak, and a memory copy gives the bandwidth."""
+def local_machine(ranks: int, efficiency: float | None, price: float | None,
+                  shape: ModelShape | None = None, micro_batch: int = 1, seq_len: int = 1) -> Machine:
+    """This host measured, as ``ranks`` CPU ranks would see it (each with its share of the cores);
+    a memory copy gives the bandwidth. With the run's ``shape``, micro-batch and sequence length,
+    one micro-batch is timed at the run's own shapes (``plan.calibrate``): the peak is the matmul
+    rate there, the efficiency what the attention and elementwise work leave of it. Without, the
+    square fp32 matmul of the training loop's MFU peak and ``CPU_EFFICIENCY``."""
     threads = omp_num_threads() or threads_per_rank(ranks)  # what each training rank will use
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        size = CPU_MATMUL_SIZE
-        peak = 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32)
         bandwidth = _copy_bandwidth()
+        if shape is None:
+            size = CPU_MATMUL_SIZE
+            peak = 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32)
     finally:
         torch.set_num_threads(previous)
+    source = f"square {CPU_MATMUL_SIZE} fp32 matmul x a constant efficiency"
+    if shape is not None:
+        cal = calibrate(shape, micro_batch, seq_len, threads, bandwidth)
+        peak = cal.matmul_flops_per_s
+        measured = shape.flops_per_token * micro_batch * seq_len / peak / cal.micro_batch_s
+        efficiency = efficiency or measured
+        source = (f"measured at the run's shapes: matmuls {cal.matmul_s * 1e3:.1f} ms + attention "
+                  f"{cal.attention_s * 1e3:.1f} ms + elementwise {cal.elementwise_s * 1e3:.1f} ms per micro-batch")
     memory = device_memory_bytes(torch.device("cpu"), ranks) or 0
     return Machine(name="local", devices_per_node=ranks, device_memory_bytes=memory, peak_flops=peak,
                    efficiency=efficiency or CPU_EFFICIENCY, memory_bandwidth=bandwidth,
                    intra_busbw_gbps=LOCAL_BUSBW_GBPS, inter_busbw_gbps=LOCAL_BUSBW_GBPS,
                    price_per_node_hour=price, is_gpu=False,
-                   busbw_source=f"assumed gloo loopback {LOCAL_BUSBW_GBPS:g} GB/s (--busbw-json to measure)")
+                   busbw_source=f"assumed gloo loopback {LOCAL_BUSBW_GBPS:g} GB/s (--busbw-json to measure)",
+                   compute_source=source)
 
 
 def _copy_bandwidth(nbytes: int = 64 << 20) -> float:

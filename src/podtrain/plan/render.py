@@ -39,8 +39,11 @@ def render_plan(plan: Any) -> str:
         f"model: {s.params / 1e6:,.1f}M parameters, {s.flops_per_token / 1e9:.3g} GFLOPs/token | "
         f"{plan.nodes} x {m.name} = {plan.world} device(s), {m.device_memory_bytes / GIB:.1f} GiB each, "
         f"{plan.precision}",
-        f"compute: peak {m.peak_flops / 1e12:.3g} TFLOP/s x efficiency {m.efficiency:.2f} | "
-        f"busbw: {m.busbw_source}",
+        f"vocabulary: {s.vocab:,} from {plan.vocab_source}",
+        f"batch: global {plan.tokens_per_step // plan.seq_len:,} sequences = micro-batch {plan.micro_batch} x "
+        f"{plan.accum} accumulation step(s) x {plan.world} rank(s); {plan.tokens_per_step:,} tokens per step",
+        f"compute: peak {m.peak_flops / 1e12:.3g} TFLOP/s x efficiency {m.efficiency:.2f} "
+        f"({m.compute_source}) | busbw: {m.busbw_source}",
         "",
         "memory per device (GiB) at the config's micro-batch; 'ac' = activation checkpointing:",
     ]
@@ -57,6 +60,7 @@ def render_plan(plan: Any) -> str:
         "",
         *([f"note: {plan.note}"] if plan.note else []),
         f"plan: {plan.strategy}{ac}; per step ({plan.tokens_per_step:,} tokens):",
+        *([_accumulation_line(plan)] if plan.strategy != "ddp" else []),
         table(["component", "time"], [
             ["compute", duration(t.compute_s)], ["optimizer", duration(t.optimizer_s)],
             ["gradient sync (exposed)", f"{duration(t.sync_wait_s)} of {duration(t.comm_s)}"],
@@ -77,6 +81,14 @@ def render_plan(plan: Any) -> str:
     out.append(f"communication exceeds compute from {first} node(s) on" if first
                else "communication stays below compute up to 1024 nodes")
     return "\n".join(out)
+
+
+def _accumulation_line(plan: Any) -> str:
+    """fsdp/hsdp: the accumulation mode the run will log at start, and why."""
+    need = f"{plan.unsharded_bytes / GIB:.1f} GiB of {plan.machine.device_memory_bytes / GIB:.1f} GiB"
+    why = (f"keeping the weights gathered fits ({need})" if plan.accumulate_unsharded
+           else f"keeping the weights gathered would need {need}")
+    return f"gradient accumulation {plan.accumulation}: {why}"
 
 
 def _price_note(machine: Any) -> str:

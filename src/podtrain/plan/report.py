@@ -7,7 +7,8 @@ of every ``kind=save`` line and ``eval_s`` of every ``kind=eval`` line amortised
 Where the straggler reports give every rank's data wait, the slowest rank's is the run's (the
 others wait for it in the sync). The first log interval holds start-up (allocations, first collectives) and is left out when there
 are later ones. A large sync wait on rank 0 means another rank was slower: the straggler fields
-(``straggler_rank``, ``busy_by_rank``) name it.
+(``straggler_rank``, ``busy_by_rank``) name it. Goodput is the newest record's, over every attempt
+(``train/goodput.py``: idle time between attempts is not counted), as the run's closing line said.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from podtrain.errors import UserError
 from podtrain.plan.machine import local_machine
 from podtrain.plan.planner import make_plan
 from podtrain.plan.render import duration, table
+from podtrain.train.goodput import goodput_line
 
 COMPONENTS = ("compute", "sync wait", "data wait", "saves", "evaluation")
 
@@ -61,11 +63,14 @@ def measured_split(records: list[dict[str, Any]]) -> dict[str, Any]:
     saves = sum(float(r.get("save_s") or 0.0) for r in records if r.get("kind") == "save")
     evals = sum(float(r.get("eval_s") or 0.0) for r in records if r.get("kind") == "eval")
     last = train[-1]
+    # The newest goodput figures: the closing line of the last attempt when it wrote one (its
+    # last evaluation and save included), else its last train line.
+    goodput = next((r for r in reversed(records) if isinstance(r.get("goodput_s"), dict)), None)
     return {
         "step_s": step, "compute": step - data - (sync or 0.0), "sync wait": sync, "data wait": data,
         "saves": saves / steps, "evaluation": evals / steps, "steps": steps,
         "world_size": int(last.get("world_size") or 1),
-        "goodput": {k: v for k, v in last.items() if k.startswith("goodput")} or None,
+        "goodput": None if goodput is None else {"goodput_s": goodput["goodput_s"], "step": goodput.get("step")},
         "straggler": _straggler(train),
     }
 
@@ -155,7 +160,7 @@ def render_report(report: dict[str, Any]) -> str:
         table(["component", "measured", "predicted", "difference"], rows),
         f"step time {duration(s['measured'])} measured, {duration(s['predicted'])} predicted "
         f"(ratio {s['ratio']:.2f})",
-        "goodput: " + (", ".join(f"{k} {v}" for k, v in goodput.items()) if goodput else "n/a (not recorded)"),
+        goodput_line(goodput["goodput_s"]) if goodput else "goodput: n/a (not recorded)",
         report["verdict"],
     ])
 

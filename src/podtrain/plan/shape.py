@@ -14,24 +14,30 @@ from podtrain.model import attention_width, model_size, num_layers, preset_confi
 from podtrain.plan.memory import ModelShape
 
 
-def run_vocab(cfg: RunConfig) -> int | None:
-    """The vocabulary training will use: model.vocab_size, else the prepared data's rounded up to
-    64 when the data exists, else None (the preset's own)."""
+def run_vocab(cfg: RunConfig) -> tuple[int | None, str]:
+    """The vocabulary training will use and where it comes from: model.vocab_size, else the
+    prepared data's rounded up to 64 when the data exists here, else None (the preset's own)."""
     if cfg.model.vocab_size:
-        return cfg.model.vocab_size
+        return cfg.model.vocab_size, "model.vocab_size"
     if (Path(cfg.data.path) / MANIFEST_NAME).is_file():
-        return round_up(read_manifest(cfg.data.path).vocab_size, 64)
-    return None
+        found = read_manifest(cfg.data.path).vocab_size
+        return round_up(found, 64), (f"the data's tokenizer in {cfg.data.path} ({found:,} rounded up to 64; "
+                                     "set model.vocab_size to plan another)")
+    return None, f"the preset's own ({cfg.data.path} has no prepared data here)"
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
     """The ``ModelShape`` of ``cfg``'s model at ``cfg.data.seq_len``."""
+    return config_shape(preset_config(cfg.model.preset, run_vocab(cfg)[0]), cfg.data.seq_len)
+
+
+def config_shape(config: Any, seq_len: int) -> ModelShape:
+    """The ``ModelShape`` of a transformers model config at ``seq_len``, counted on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    config = preset_config(cfg.model.preset, run_vocab(cfg))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    size = model_size(model, config, cfg.data.seq_len)
+    size = model_size(model, config, seq_len)
     return shape_of(config, size.params, size.embedding_params, size.matmul_params,
                     size.flops_per_token)
 

@@ -123,8 +123,11 @@ def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
 
 def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, world: int, nodes: int,
               devices_per_node: int, sustained_flops: float, memory_bandwidth: float,
-              busbw, gpu: bool) -> StepTime:
-    """Seconds per step of ``work`` under ``strategy``; ``busbw(nodes, nbytes)`` gives GB/s."""
+              busbw, gpu: bool, gathered: bool = True) -> StepTime:
+    """Seconds per step of ``work`` under ``strategy``; ``busbw(nodes, nbytes)`` gives GB/s.
+    fsdp/hsdp with ``gathered`` (weights kept gathered between micro-batches) gather each block
+    once per step and reduce-scatter once; without, they gather in every forward and backward and
+    reduce-scatter after every micro-batch."""
     flops = shape.flops_per_token * work.tokens_per_rank * (4 / 3 if work.checkpointing else 1)
     compute = flops / sustained_flops
     micro_compute = compute / work.accum
@@ -147,9 +150,14 @@ def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, wor
         if strategy == "hsdp" and nodes > 1:
             shard_bytes = grad_bytes / group
             across = ring_allreduce_s(shard_bytes, nodes, busbw(nodes, shard_bytes)) + latency_s(1, nodes)
-        comm = gather * work.accum + scatter + across
+        if gathered:
+            gathers, scatters = 0.5, 1  # one all-gather per block per step; one reduce-scatter
+        else:
+            gathers, scatters = work.accum, work.accum
+        comm = gather * gathers + scatter * scatters + across
         per_micro = exposed_s(gather, micro_compute, shape.layers)
-        wait = per_micro * work.accum + exposed_s(scatter + across, backward, shape.layers)
+        wait = (per_micro * gathers + exposed_s(scatter + across, backward, shape.layers)
+                + exposed_s(scatter, backward, shape.layers) * (scatters - 1))
     optimizer = OPTIMIZER_BYTES_PER_PARAM * shape.params / shards / memory_bandwidth
     build = work.tokens_per_rank * TOKEN_BYTES / memory_bandwidth
     data = max(0.0, build - (compute + optimizer))

@@ -8,9 +8,18 @@ logged); ``save_stall`` (the step loop's time in checkpoint saves); ``eval``; ``
 the guard did not apply, and steps trained again after a guard rollback). Goodput is productive /
 all of them.
 
+Idle time is not lost time. An attempt that ends on purpose writes a closing ``kind=goodput``
+line saying how (``ended``): ``finished`` (it reached ``train.steps``), ``interrupted`` (Ctrl-C) or
+``stopped`` (a scheduler's stop signal: SIGTERM, SIGUSR1). The gap from a ``finished`` or
+``interrupted`` attempt to the next one is nobody's loss (the run was extended or resumed when
+its user chose) and is booked nowhere. After a ``stopped`` attempt (preempted, requeued) or one
+that wrote no closing line (killed, crashed), the gap until the next attempt is ``restarts``.
+
 Each train line of metrics.jsonl carries the attempt's cumulative seconds (``goodput_s``, earlier
-attempts included) and ``goodput_pct``; a new attempt reads the file to learn the earlier
-attempts' totals and the highest step they logged. Host clocks only: no device sync.
+attempts included) and ``goodput_pct``; the closing line has the attempt's final figures (its
+last evaluation and save included), which ``podtrain report`` reads. A new attempt reads the file
+to learn the earlier attempts' totals and the highest step they logged. Host clocks only: no
+device sync.
 """
 
 from __future__ import annotations
@@ -22,6 +31,12 @@ from pathlib import Path
 from typing import Any
 
 CATEGORIES = ("productive", "startup", "restarts", "redone", "save_stall", "eval", "skipped")
+
+IDLE_AFTER = ("finished", "interrupted")
+"""How an attempt ended when the wait for the next one is idle, not lost (see the module doc)."""
+
+LABELS = {"productive": "productive", "startup": "start-up", "restarts": "restarts", "redone": "redone",
+          "save_stall": "save stalls", "eval": "evaluation", "skipped": "skipped"}
 
 
 class GoodputClock:
@@ -46,13 +61,14 @@ class GoodputClock:
         if not metrics_path.is_file():
             return
         last_by_attempt: dict[str, dict[str, float]] = {}
-        last_time = None
+        last_time, ended = None, None
         for line in metrics_path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
             last_time = record.get("time", last_time)
+            ended = record.get("ended") if record.get("kind") == "goodput" else None
             if record.get("kind") == "train":
                 self.done_before = max(self.done_before, int(record.get("step", 0)))
             if isinstance(record.get("goodput_attempt_s"), dict):
@@ -60,7 +76,7 @@ class GoodputClock:
         for seconds in last_by_attempt.values():
             for key in CATEGORIES:
                 self.prior[key] += float(seconds.get(key, 0.0))
-        if last_time is not None:
+        if last_time is not None and ended not in IDLE_AFTER:
             self.seconds["restarts"] += max(0.0, self.started - float(last_time))
 
     def start_steps(self) -> None:
@@ -121,11 +137,21 @@ class GoodputClock:
                 "goodput_attempt_s": {k: round(v, 4) for k, v in self.seconds.items()},
                 "goodput_pct": round(self.percent(), 2), "attempt": self.attempt}
 
+    def closing_record(self, step: int, ended: str) -> dict[str, Any]:
+        """The attempt's last metrics line (``kind=goodput``): its final figures and how it
+        ``ended`` (``finished``, ``interrupted`` or ``stopped``: see the module doc)."""
+        return {"kind": "goodput", "step": step, **self.record(), "ended": ended, "time": time.time()}
+
     def summary_line(self) -> str:
         """One line for the closing summary."""
-        t = self.totals()
-        redone = f" ({len(self.redone_steps)} steps)" if self.redone_steps else ""
-        return (f"goodput {self.percent():.1f}%: productive {t['productive']:.1f} s, start-up "
-                f"{t['startup']:.1f} s, restarts {t['restarts']:.1f} s, redone {t['redone']:.1f} s"
-                f"{redone}, save stalls {t['save_stall']:.1f} s, evaluation {t['eval']:.1f} s, "
-                f"skipped {t['skipped']:.1f} s")
+        return goodput_line(self.totals(), len(self.redone_steps))
+
+
+def goodput_line(totals: dict[str, float], redone_steps: int = 0) -> str:
+    """``goodput 90.2%: productive 41.0 s, start-up 3.1 s, ...``: the closing summary's line, and
+    ``podtrain report``'s from a metrics record's ``goodput_s``."""
+    whole = sum(float(totals.get(k, 0.0)) for k in CATEGORIES)
+    pct = 100.0 * float(totals.get("productive", 0.0)) / whole if whole > 0 else 0.0
+    parts = [f"{LABELS[k]} {float(totals.get(k, 0.0)):.1f} s"
+             + (f" ({redone_steps} steps)" if k == "redone" and redone_steps else "") for k in CATEGORIES]
+    return f"goodput {pct:.1f}%: " + ", ".join(parts)

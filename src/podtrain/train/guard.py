@@ -5,9 +5,9 @@ non-finite or exceeds ``guard.spike_factor`` x the median of the last ``guard.hi
 norms. The norm is global after DDP's AllReduce, so every rank reaches the same verdict without a
 collective; a rank whose own loss is non-finite multiplies its last backward by NaN
 (``poison``), so its gradients, and through the AllReduce everyone's norm, say so too. The verdict
-skips the optimizer update on the device: fused AdamW takes it as ``found_inf`` (as it does from a
-GradScaler), and with fp16 it joins the scaler's own ``found_inf``. Only ``optim.implementation=
-foreach`` without a scaler reads it on the host, once per step (the clip norm's value).
+skips the optimizer update on the device (``podtrain.train.skip``: with fp16 through the scaler's
+public non-finite check, with fused AdamW through ``found_inf``, a contract probed at start-up).
+Only ``optim.implementation=foreach`` without a scaler reads it on the host, once per step.
 
 At each log interval the loop reads the verdicts with the losses (the same host sync) and hands
 them to ``review``: after ``guard.max_skips`` bad steps within ``guard.window`` steps it asks for a

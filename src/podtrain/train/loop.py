@@ -34,6 +34,7 @@ from podtrain.distributed.placement import placement_line
 from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
+from podtrain.fsutil import writable_dir
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -41,9 +42,10 @@ from podtrain.observe.hardware import max_memory_bytes, peak_flops
 from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
-from podtrain.train.evaluate import evaluate
+from podtrain.train.evaluations import Evaluations, describe
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
+from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
 from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
@@ -84,12 +86,14 @@ class TrainResult:
         exit_code: 0 when finished, the requeue code when stopped by a signal.
         final_loss: last logged training loss (token-weighted over ranks), or None.
         val_loss: last validation loss, or None.
+        val_bpb: last validation bits per byte, or None.
     """
 
     step: int
     exit_code: int = 0
     final_loss: float | None = None
     val_loss: float | None = None
+    val_bpb: float | None = None
 
 
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
@@ -97,6 +101,7 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
     env = env or ClusterEnv.detect()
     setup_logging(env.rank)
     cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
+    set_allocator_default()  # expandable segments, before CUDA starts (the user's own setting wins)
     with process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
                        collective_timeout(cfg.dist.timeout_s)) as ctx:
         trainer = Trainer(cfg, ctx)
@@ -124,10 +129,11 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
-        self.val_index = None
+        self.evals: Evaluations | None = None
         self.accum = 1
         self.accumulate_unsharded = True
         self.precision = None
+        self.gpu_defaults = ""
         self.model: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.size = None
@@ -180,7 +186,6 @@ class Trainer:
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
-        if ctx.is_main:
             self.goodput.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
                                         to_dict(cfg), self.step, self.tokens_seen)
@@ -191,6 +196,7 @@ class Trainer:
     def _setup_local(self) -> None:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
+        writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
@@ -198,8 +204,9 @@ class Trainer:
             cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
             num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
-        self.val_index = checked.val_index
+        self.evals = Evaluations(cfg.eval, checked.val_index, checked.manifest, cfg.train.micro_batch_size)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
+        self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
                                                         cfg.run.seed, cfg.dist.strategy, ctx)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
@@ -211,14 +218,12 @@ class Trainer:
             check_all_parameters_used(self.model, cfg.data.seq_len, ctx.device)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), then
-        torch.compile when asked."""
+        """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), each decoder
+        block compiled first when train.compile asks."""
         self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
-                                       self.accumulate_unsharded)
+                                       self.accumulate_unsharded, self.cfg.train.compile)
         wrapped = self.strategy.wrap(model, self.reference)
         self.reference = None  # rank 0's whole copy, no longer needed
-        if self.cfg.train.compile:
-            wrapped = torch.compile(wrapped)
         return wrapped
 
     def _setup_checkpoints(self) -> None:
@@ -249,13 +254,13 @@ class Trainer:
         if ctx.env.local_rank == 0:
             # One line per node, printed even where ranks log warnings only: the topology users got.
             print(placement_line(ctx), flush=True)
-        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s, strategy %s",
-                 __version__, ctx.world_size, ctx.backend, ctx.device.type, self.precision.name,
-                 self.strategy.describe())
+        log.info("podtrain %s | %d rank(s), backend %s, device %s, precision %s, strategy %s%s", __version__,
+                 ctx.world_size, ctx.backend, ctx.device.type, self.precision.name, self.strategy.describe(),
+                 f" | {self.gpu_defaults}" if self.gpu_defaults else "")
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
-                 "%d micro-batches of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
-                 self.accum, cfg.train.micro_batch_size)
+                 self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
                  self.loader.samples_per_epoch, self.run_dir)
 
@@ -289,14 +294,13 @@ class Trainer:
                 self.watchdog.beat(self.step)
             if self.straggler is not None:
                 self._observe_straggler(batch.wait_s)
-            if self.step == 1:
-                ctx.set_timeout(collective_timeout(cfg.dist.timeout_s))  # start-up is over
+            ctx.startup_done()  # this process's first step (resumed or not): the steady-state timeout
             last = self.step == total
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-            if cfg.eval.every and self.val_index is not None and (self.step % cfg.eval.every == 0 or last):
-                interval.exclude(self.goodput.add("eval", self._evaluate()))
+            if self.evals.due(self.step, last):
+                interval.exclude(self.goodput.add("eval", self._evaluate(last)))
             if self.saves.should_save(self.step, total):
                 interval.exclude(self._save())
         self.stop_signal.drain()
@@ -312,15 +316,16 @@ class Trainer:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
-        val = f"{self.result.val_loss:.4f}" if self.result.val_loss is not None else "n/a"
+        val = (f"{self.result.val_loss:.4f} nats ({self.result.val_bpb:.4f} bits/byte)"
+               if self.result.val_loss is not None else "n/a")
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f}, validation loss {val} nats | unigram entropy of the "
+            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of the "
             f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
@@ -360,16 +365,15 @@ class Trainer:
                               {"step": self.step, "excess": report["straggler_excess"],
                                "busy_by_rank": report["busy_by_rank"]})
 
-    def _evaluate(self) -> float:
-        t0 = time.perf_counter()
-        val = evaluate(self.model, self.val_index, self.ctx, self.cfg.train.micro_batch_size,
-                       self.cfg.eval.max_batches, self.stepper.precision)
-        self.result.val_loss = val
-        record = {"kind": "eval", "step": self.step, "val_loss": val, "tokens_seen": self.tokens_seen,
-                  "run_id": self.run_id, "eval_s": time.perf_counter() - t0, "time": time.time()}
-        self.metrics.write(record)
-        self.progress.note(f"step {self.step}: validation loss {val:.4f}")
-        return time.perf_counter() - t0
+    def _evaluate(self, last: bool) -> float:
+        """Validation and lm-eval tasks (``train/evaluations.py``); their batches beat the watchdog."""
+        record = self.evals.run(self.step, last, self.model, self.ctx, self.stepper.precision, self.watchdog)
+        if "val_loss" in record:
+            self.result.val_loss, self.result.val_bpb = record["val_loss"], record["val_bpb"]
+        self.metrics.write({"kind": "eval", "step": self.step, **record, "tokens_seen": self.tokens_seen,
+                            "run_id": self.run_id, "time": time.time()})
+        self.progress.note(f"step {self.step}: {describe(record)}")
+        return record["eval_s"]
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs beyond weights and optimizer to continue exactly."""
@@ -396,12 +400,9 @@ class Trainer:
         self._stop_watchdog()  # the final write may take longer than a step may
         self._save()
         waited = self.checkpointer.wait()
-        since = self.stop_signal.seconds_since_signal()
-        log.warning("stop signal: step %d saved %.1f s after the signal (%.1f s waiting for the write) "
-                    "of a %.0f s grace period; exiting with %d so the scheduler requeues", self.step,
-                    since if since is not None else float("nan"), waited, self.cfg.ckpt.grace_s,
-                    self.stop_signal.exit_code)
-        self.metrics.write({"kind": "goodput", "step": self.step, **self.goodput.record(), "time": time.time()})
+        if self.ctx.is_main:  # one line for the job, not one per rank
+            log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+        self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with

@@ -100,6 +100,28 @@ class StopSignal:
         it), else ``REQUEUE_EXIT_CODE``; both are retryable for Kubeflow (128-255)."""
         return INTERRUPT_EXIT_CODE if self.received == signal.SIGINT else REQUEUE_EXIT_CODE
 
+    @property
+    def ending(self) -> str:
+        """How the attempt ended, for goodput's closing line: ``interrupted`` after Ctrl-C (the
+        wait until the user runs it again is idle), else ``stopped`` (a scheduler's stop: the wait
+        for the requeue is lost time). See ``train/goodput.py``."""
+        return "interrupted" if self.received == signal.SIGINT else "stopped"
+
+    def saved_line(self, step: int, waited_s: float, grace_s: float) -> str:
+        """The line after the stop's checkpoint (rank 0 prints it, once for the job): when the
+        save finished against the grace period and what the exit code means. A Ctrl-C is not
+        requeued by anyone: it says how to resume instead."""
+        since = self.seconds_since_signal()
+        timing = (f"{since:.1f} s after the signal ({waited_s:.1f} s waiting for the write) of a "
+                  f"{grace_s:.0f} s grace period" if since is not None else
+                  f"({waited_s:.1f} s waiting for the write; the signal reached another rank)")
+        if self.exit_code == INTERRUPT_EXIT_CODE:
+            then = f"exiting with {self.exit_code}; run the same command to resume"
+        else:
+            then = (f"exiting with {self.exit_code}, which a scheduler that retries on 128-255 "
+                    "requeues; run the same command to resume")
+        return f"stop signal: step {step} saved {timing}; {then}"
+
     def seconds_since_signal(self) -> float | None:
         """Seconds since this rank received its signal (to log a save against the grace period)."""
         return None if self.received_at is None else time.monotonic() - self.received_at

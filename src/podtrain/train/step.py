@@ -35,6 +35,7 @@ from podtrain.model import unwrap
 from podtrain.train.guard import StepJudge
 from podtrain.train.loss import micro_batch_loss_sum
 from podtrain.train.precision import Precision
+from podtrain.train.skip import fused_step, poison_gradients, require_found_inf_skip
 from podtrain.train.strategy import Strategy
 
 
@@ -89,7 +90,7 @@ class Stepper:
     """Runs optimizer steps for a wrapped (DDP, FSDP/HSDP; optionally compiled) model.
 
     Args:
-        model: the module to call forward on (``strategy.wrap``'s, or torch.compile of it).
+        model: the module to call forward on (``strategy.wrap``'s; train.compile compiled its blocks).
         strategy: what synchronises the gradients and measures their norm
             (``podtrain.train.strategy``; ``Strategy()`` for one process).
         optimizer: AdamW over the model's (for FSDP: sharded) parameters.
@@ -127,6 +128,10 @@ class Stepper:
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.judge = judge
         self.fused = bool(optimizer.defaults.get("fused"))
+        if judge is not None and self.fused and self.scaler is None:
+            require_found_inf_skip(optimizer, device)  # fails in one line if torch dropped it
+        self._one = torch.ones((), device=device)
+        self._by_size = sorted(self.params, key=lambda p: p.numel())  # the cheapest to poison first
         self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
 
     def step(self, micro_batches: list[torch.Tensor]) -> None:
@@ -166,25 +171,22 @@ class Stepper:
             self.stats.tokens += rows.shape[0] * (rows.shape[1] - 1)
 
     def apply(self) -> None:
-        """Unscale (fp16), clip, optimizer step, clear gradients."""
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = self.strategy.clip(self.params, self.grad_clip)  # inf: measure, touch no gradient
+        """Clip (fp16: on the scaled gradients, with the unscaled norm), optimizer step (skipped
+        on the device when the guard says so: ``podtrain.train.skip``), clear gradients."""
+        # fp16: the scale as a device tensor through the public API (no host read), so the guard
+        # judges the unscaled norm and scaler.step does the unscaling (and its non-finite check).
+        scale = self.scaler.scale(self._one) if self.scaler else None
+        norm = self.strategy.clip(self.params, self.grad_clip, scale)  # inf: measure, touch no gradient
         bad = self.judge.judge(norm) if self.judge is not None else None
         if self.scaler:
-            if bad is not None:  # the scaler skips steps with found_inf, on the device when fused
-                for found in self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
-                    found.add_(bad.to(found.dtype))
+            if bad is not None:
+                poison_gradients(self._by_size, bad)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif bad is None:
             self.optimizer.step()
         elif self.fused:
-            self.optimizer.found_inf = bad.float()  # fused AdamW skips the update on the device
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf
+            fused_step(self.optimizer, bad)  # skipped on the device (contract checked in __init__)
         elif not bool(bad):  # foreach AdamW cannot skip on the device: one host read per step
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)

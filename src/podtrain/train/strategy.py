@@ -27,7 +27,9 @@ from torch import nn
 from podtrain.config_sections import DistSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
+from podtrain.plan.fit import accumulation_phrase
 from podtrain.model import build_model, decoder_layers
+from podtrain.train.gpu_defaults import compile_blocks
 from podtrain.train.precision import Precision
 from podtrain.train.replicas import buffers_need_forward_sync, ddp_buffer_arguments
 
@@ -82,11 +84,15 @@ class Strategy:
         sync_op: the collective that synchronises gradients (for the collective record), or None.
         grads_to_none: ``zero_grad(set_to_none=...)``; DDP's bucket views are zeroed in place.
         module: the wrapped module, once ``wrap`` ran.
+        compile_blocks: ``train.compile``: ``wrap`` compiles each decoder block before wrapping
+            (``podtrain.train.gpu_defaults.compile_blocks``); ``compiled`` says how many.
     """
 
     name = "ddp"
     sharded = False
     sync_op: str | None = None
+    compile_blocks = False
+    compiled = 0
 
     def __init__(self) -> None:
         self.grads_to_none = True
@@ -95,18 +101,28 @@ class Strategy:
     def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
         """Prepare ``model`` for training (every rank calls); returns the module to call forward on.
         ``reference``: see ``build_for_strategy`` (sharded strategies only)."""
+        self._compile(model)
         self.module = model
         return model
+
+    def _compile(self, model: nn.Module) -> None:
+        """Compile each decoder block when asked (before any wrapper, after any inspecting forward)."""
+        if self.compile_blocks:
+            self.compiled = compile_blocks(model)
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's forward and backward; gradients are synchronised on ``last``."""
         return contextlib.nullcontext()
 
-    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip(self, params: list[torch.Tensor], max_norm: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` (inf: only measure, touch no gradient); returns
-        the global norm as a device tensor (no host sync)."""
+        the global norm as a device tensor (no host sync). ``scale``: the gradients are the true
+        ones times it (fp16's loss scale): the norm returned and clipped against is divided by it."""
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
+        if scale is not None:
+            norm = norm / scale
         if max_norm != float("inf"):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
@@ -117,7 +133,10 @@ class Strategy:
 
     def describe(self) -> str:
         """One phrase for the start-up line."""
-        return self.name
+        return self.name + self._compiled_phrase()
+
+    def _compiled_phrase(self) -> str:
+        return f", torch.compile per decoder block ({self.compiled})" if self.compiled else ""
 
     def release(self) -> None:
         """Drop the wrapper (DDP's reducer must go before the process group is destroyed)."""
@@ -148,7 +167,8 @@ class DDPStrategy(Strategy):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         cfg, ctx = self.cfg, self.ctx
-        sync_buffers = buffers_need_forward_sync(model, ctx, self.seq_len)
+        sync_buffers = buffers_need_forward_sync(model, ctx, self.seq_len)  # a forward: before compiling
+        self._compile(model)
         self.module = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None,
                           **ddp_buffer_arguments(sync_buffers), bucket_cap_mb=cfg.bucket_cap_mb,
                           gradient_as_bucket_view=cfg.gradient_as_bucket_view,
@@ -173,7 +193,7 @@ class FSDPStrategy(Strategy):
         accumulate_unsharded: between micro-batches keep the weights gathered and the gradients
             unsharded and local (no reduce-scatter, no re-gather per micro-batch: faster), at the
             cost of full gradients and weights on every rank; the memory check decides
-            (``podtrain.train.preflight``).
+            (``podtrain.plan.fit.accumulates_unsharded``, as ``podtrain plan`` does).
     """
 
     sharded = True
@@ -192,19 +212,18 @@ class FSDPStrategy(Strategy):
         ``build_for_strategy``'s empty (meta-device) model; then the shards are filled from rank
         0's whole ``reference``, so every rank trains the same model.
         """
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not all(p.is_meta for p in model.parameters()):
             raise ValueError("FSDPStrategy.wrap takes build_for_strategy's empty (meta-device) model")
-        names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
-        self.mesh = init_device_mesh(self.ctx.device.type, self.mesh_shape, mesh_dim_names=names)
+        self.mesh = device_mesh(self.ctx, self.mesh_shape)
         dtype = self.precision.autocast_dtype
         policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype
                   else MixedPrecisionPolicy())
         # With room for the gathered weights (accumulate_unsharded), a layer gathered for the
         # forward stays gathered through its backward: one all-gather per layer per step.
         keep = self.accumulate_unsharded
+        self._compile(model)  # before fully_shard: FSDP's hooks and collectives stay outside the graphs
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)  # the root: FSDP keeps it gathered
@@ -239,15 +258,19 @@ class FSDPStrategy(Strategy):
             self.module.set_reshard_after_backward(last)
         return contextlib.nullcontext()
 
-    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    def clip(self, params: list[torch.Tensor], max_norm: float,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of the sharded gradients: each rank's partial norm, reduced over the mesh
-        (``full_tensor``); every shard is then scaled by the same factor."""
+        (``full_tensor``); every shard is then scaled by the same factor. (``scale``: as
+        ``Strategy.clip``; fp16 is refused under fsdp/hsdp, so it is None here.)"""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        if scale is not None:
+            norm = norm / scale
         if max_norm != float("inf"):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
@@ -260,13 +283,40 @@ class FSDPStrategy(Strategy):
         """``fsdp over 8 ranks`` or ``hsdp 2 x 4 (replicas x shard)``, and the accumulation mode."""
         shape = (f"over {self.mesh_shape[0]} ranks" if len(self.mesh_shape) == 1
                  else f"{self.mesh_shape[0]} x {self.mesh_shape[1]} (replicas x shard)")
-        accumulation = "unsharded" if self.accumulate_unsharded else "resharded per micro-batch"
-        return f"{self.name} {shape}, gradient accumulation {accumulation}"
+        return (f"{self.name} {shape}, gradient accumulation "
+                f"{accumulation_phrase(self.accumulate_unsharded)}{self._compiled_phrase()}")
+
+
+def device_mesh(ctx: DistContext, shape: tuple[int, ...]):
+    """The ``DeviceMesh`` of fsdp (1-D over the default group) or hsdp (2-D: replicate x shard).
+
+    hsdp's subgroups are made by ``ctx.new_subgroups`` (podtrain's collective timeout, switched
+    to the steady-state one with the default group), not by ``init_device_mesh``, whose subgroups
+    would keep the backend's default (NCCL: 10 minutes) whatever dist.timeout_s says.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if len(shape) == 1:
+        return DeviceMesh.from_group(dist.group.WORLD, ctx.device.type, mesh_dim_names=("shard",))
+    layout = torch.arange(ctx.world_size).view(shape)
+    replicate = ctx.new_subgroups(layout.t().tolist())  # same shard index, one per replica group
+    shard = ctx.new_subgroups(layout.tolist())  # consecutive ranks: a node's, by default
+    return DeviceMesh.from_group([replicate, shard], ctx.device.type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def build_strategy(cfg: DistSection, ctx: DistContext, precision: Precision, seq_len: int,
-                   accumulate_unsharded: bool = True) -> Strategy:
-    """The strategy ``dist.strategy`` names for this job (one process: no wrapper at all)."""
+                   accumulate_unsharded: bool = True, compile_blocks: bool = False) -> Strategy:
+    """The strategy ``dist.strategy`` names for this job (one process: no wrapper at all);
+    ``compile_blocks``: ``train.compile`` (see ``Strategy``)."""
+    strategy = _strategy_for(cfg, ctx, precision, seq_len, accumulate_unsharded)
+    strategy.compile_blocks = compile_blocks
+    return strategy
+
+
+def _strategy_for(cfg: DistSection, ctx: DistContext, precision: Precision, seq_len: int,
+                  accumulate_unsharded: bool) -> Strategy:
     if not ctx.initialized:
         return Strategy()
     if cfg.strategy == "ddp":

@@ -14,4 +14,8 @@ The package, in pipeline order:
   ``RowsItem``).
 - ``encode``: decode, split and tokenize a task, inline or in a pool of worker processes.
 - ``shards``: shard writing, the done records a resume trusts, and cleanup.
+- ``holdout``: the one validation document a small corpus keeps when none hashes into the split.
+- ``progress``: the progress bar.
+- ``parts``: one part of a ``--num-parts N`` prepare (and the BPE trained once before the parts);
+  ``merge``: ``podtrain prepare merge``, which joins the parts under one manifest.
 """

@@ -14,7 +14,9 @@ from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.data.prepare.pipeline import (DEFAULT_BPE_TRAIN_BYTES, DEFAULT_CHUNK_BYTES,
                                             DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ERROR_POLICIES,
-                                            PrepareOptions, PrepareResult, prepare)
+                                            PrepareOptions, PrepareResult, prepare, train_tokenizer)
+from podtrain.data.prepare.parts import choose_part
+from podtrain.data.prepare.sources import is_s3
 from podtrain.data.tokenizer import TOKENIZER_FILE
 from podtrain.errors import UserError
 
@@ -23,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``podtrain prepare``."""
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="text files, directories, globs, .jsonl, .parquet, or `builtin`")
-    parser.add_argument("--out", required=True, type=Path, metavar="DATA_DIR")
+    parser.add_argument("--out", required=True, metavar="DATA_DIR", help="a folder or an s3:// prefix")
     parser.add_argument("--tokenizer", default="byte",
                         help="byte (default), bpe:VOCAB (trained here), or a tokenizer.json / folder / hub name")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
@@ -45,11 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--force", action="store_true",
                         help="replace DATA_DIR even when it holds data made with another tokenizer")
+    parser.add_argument("--num-parts", type=int, default=1, metavar="N",
+                        help="prepare one of N parts of the inputs (then `podtrain prepare merge DATA_DIR`)")
+    parser.add_argument("--part", type=int, default=None, metavar="I",
+                        help="which part, 0..N-1 (default: the Slurm array / srun task id)")
+    parser.add_argument("--train-tokenizer-only", action="store_true",
+                        help="train the bpe:VOCAB tokenizer into DATA_DIR and stop: run once before the parts")
 
 
 def options_from_args(args: argparse.Namespace) -> PrepareOptions:
-    """The ``PrepareOptions`` an argparse namespace describes."""
-    return PrepareOptions(inputs=tuple(args.inputs), out=Path(args.out), tokenizer=args.tokenizer,
+    """The ``PrepareOptions`` an argparse namespace describes (the part from Slurm when not given)."""
+    num_parts = args.num_parts
+    part = choose_part(num_parts, args.part) if num_parts != 1 or args.part is not None else 0
+    return PrepareOptions(num_parts=num_parts, part=part, inputs=tuple(args.inputs),
+                          out=args.out if is_s3(args.out) else Path(args.out), tokenizer=args.tokenizer,
                           val_fraction=args.val_fraction, text_field=args.text_field, errors=args.errors,
                           shard_tokens=args.shard_tokens, chunk_bytes=args.chunk_bytes,
                           workers=args.workers, builtin_bytes=args.builtin_bytes,
@@ -77,10 +88,19 @@ def summary(result: PrepareResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``podtrain prepare``."""
-    if not args.force:
+    if not args.force and not is_s3(args.out):
         refuse_other_tokenizer(Path(args.out), args.tokenizer)
-    result = prepare(options_from_args(args))
+    opts = options_from_args(args)
+    if args.train_tokenizer_only:
+        if opts.num_parts > 1:
+            raise UserError("--train-tokenizer-only runs once for all parts: drop --num-parts/--part")
+        print(train_tokenizer(opts))
+        return 0
+    result = prepare(opts)
     print(summary(result))
+    if opts.num_parts > 1:
+        print(f"part {opts.part} of {opts.num_parts} done: when every part is, run "
+              f"`podtrain prepare merge {args.out}`")
     return 0
 
 

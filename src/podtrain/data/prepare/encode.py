@@ -27,12 +27,16 @@ from podtrain.data.prepare.readers import JsonlItem, RowsItem, Task, TextItem
 from podtrain.errors import UserError
 
 
-def is_val(name: str, val_fraction: float) -> bool:
-    """Whether the document called ``name`` belongs to the validation split (a pure hash test)."""
-    if val_fraction <= 0.0:
-        return False
+def doc_hash(name: str) -> int:
+    """The 64-bit hash of a document's name that decides its split."""
     digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < val_fraction * 2.0 ** 64
+    return int.from_bytes(digest, "big")
+
+
+def is_val(name: str, val_fraction: float) -> bool:
+    """Whether the document called ``name`` belongs to the validation split by its hash alone
+    (``holdout`` may add one more document to a small corpus's split: ``EncodeSpec.val_doc``)."""
+    return val_fraction > 0.0 and doc_hash(name) < val_fraction * 2.0 ** 64
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class EncodeSpec:
     val_fraction: float
     text_field: str
     errors: str
+    val_doc: str | None = None   # held out as well when no document hashes into val (holdout)
 
     def build(self) -> Encoder:
         """The encoder this spec describes."""
@@ -94,6 +99,9 @@ class Encoder:
         self.want_bytes = spec.kind == "byte"
         self.dtype = np.dtype(spec.dtype)
 
+    def _is_val(self, name: str) -> bool:
+        return name == self.spec.val_doc or is_val(name, self.spec.val_fraction)
+
     def _decode(self, raw: bytes, where: str, counts: Counts, base: int = 0) -> bytes | str | None:
         """Raw bytes -> payload, applying the policy; ``None`` means skip this unit.
 
@@ -123,17 +131,16 @@ class Encoder:
 
     def units(self, task: Task, counts: Counts) -> Iterator[Unit]:
         """The task's text, in order, as units tagged with their split."""
-        frac = self.spec.val_fraction
         for item in task:
             if isinstance(item, TextItem):
-                yield from self._text_units(item, frac, counts)
+                yield from self._text_units(item, counts)
             elif isinstance(item, JsonlItem):
-                yield from self._jsonl_units(item, frac, counts)
+                yield from self._jsonl_units(item, counts)
             else:
-                yield from self._row_units(item, frac, counts)
+                yield from self._row_units(item, counts)
 
-    def _text_units(self, item: TextItem, frac: float, counts: Counts) -> Iterator[Unit]:
-        val = is_val(item.name, frac)
+    def _text_units(self, item: TextItem, counts: Counts) -> Iterator[Unit]:
+        val = self._is_val(item.name)
         empty: bytes | str = b"" if self.want_bytes else ""
         payload = self._decode(item.data, item.where, counts, base=item.offset) if item.data else empty
         # A skipped piece still closes its document when it was the last one of a larger file.
@@ -141,15 +148,15 @@ class Encoder:
         if payload or (item.last and item.offset):
             yield Unit(payload, item.last, val)
 
-    def _row_units(self, item: RowsItem, frac: float, counts: Counts) -> Iterator[Unit]:
+    def _row_units(self, item: RowsItem, counts: Counts) -> Iterator[Unit]:
         for i, raw in enumerate(item.rows):
             if raw:
                 row = item.first_row + i
                 payload = self._decode(raw, f"{item.where} row {row}", counts)
                 if payload:
-                    yield Unit(payload, True, is_val(f"{item.name}#{row}", frac))
+                    yield Unit(payload, True, self._is_val(f"{item.name}#{row}"))
 
-    def _jsonl_units(self, item: JsonlItem, frac: float, counts: Counts) -> Iterator[Unit]:
+    def _jsonl_units(self, item: JsonlItem, counts: Counts) -> Iterator[Unit]:
         field_name = self.spec.text_field
         for i, raw in enumerate(item.data.split(b"\n")):
             line_no = item.first_line + i
@@ -175,7 +182,7 @@ class Encoder:
             if text:
                 payload = self._clean_str(text, at, counts)
                 if payload:
-                    yield Unit(payload, True, is_val(f"{item.name}:{line_no}", frac))
+                    yield Unit(payload, True, self._is_val(f"{item.name}:{line_no}"))
 
     def pack(self, units: list[Unit]) -> np.ndarray:
         """Tokenize ``units`` and concatenate them, an EOS after each document's last unit."""
@@ -209,12 +216,12 @@ class Encoder:
 
 
 def train_texts(tasks: Iterable[Task], val_fraction: float, text_field: str, errors: str,
-                budget: int) -> Iterator[str]:
+                budget: int, val_doc: str | None = None) -> Iterator[str]:
     """Train-split texts of ``tasks``, in order, until ``budget`` characters have been yielded
     (what a BPE is trained on; validation documents never leak in)."""
     # Kind "hf" makes the encoder hand out decoded str, what a BPE trainer takes; no tokenizer is
     # needed because nothing is tokenized here.
-    enc = Encoder(EncodeSpec("hf", None, 0, "uint32", val_fraction, text_field, errors), None)
+    enc = Encoder(EncodeSpec("hf", None, 0, "uint32", val_fraction, text_field, errors, val_doc), None)
     counts = Counts()
     for task in tasks:
         for unit in enc.units(task, counts):

@@ -26,7 +26,9 @@ removes everything this run wrote (a Ctrl-C keeps finished shards for the resume
 This module holds the options, the pipeline and the manifest it builds; the flags are in ``cli``
 and each stage lives in its own module of this package: ``sources`` (resolve INPUTs), ``readers``
 (cut them into tasks), ``encode`` (the encoder and the worker pool), ``shards`` (shard writing,
-done records, cleanup); ``podtrain.data.tokenizer`` holds the tokenizer's identity and files.
+done records, cleanup), ``holdout`` (a small corpus's validation document), ``parts`` (one part
+of a ``--num-parts`` prepare; ``merge`` joins them); ``podtrain.data.tokenizer`` holds the
+tokenizer's identity and files.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ import numpy as np
 from podtrain.data import tokenizer as tokmod
 from podtrain.data.manifest import FORMAT, MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
+from podtrain.data.prepare import parts
 from podtrain.data.prepare.encode import Counts, EncodeSpec, make_runner, train_texts
+from podtrain.data.prepare.holdout import fallback_val_document
+from podtrain.data.prepare.progress import Progress
 from podtrain.data.prepare.readers import plan_tasks
 from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
                                           read_run_state, remove_temp_files, resume_splits,
                                           up_to_date_manifest, write_run_state)
-from podtrain.data.prepare.sources import Source, resolve_inputs
+from podtrain.data.prepare.sources import Source, is_s3, resolve_inputs
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text
 
@@ -73,7 +78,7 @@ class PrepareOptions:
     """Everything ``prepare`` needs; the CLI flags map one to one."""
 
     inputs: tuple[str, ...]
-    out: Path
+    out: Path | str                      # str: an s3:// url (prepared locally, then uploaded: ``remote``)
     tokenizer: str = "byte"
     val_fraction: float = DEFAULT_VAL_FRACTION
     text_field: str = "text"
@@ -85,6 +90,8 @@ class PrepareOptions:
     bpe_train_bytes: int = DEFAULT_BPE_TRAIN_BYTES
     eos_token: str | None = None
     progress: bool | None = None         # None: a bar when stderr is a terminal
+    num_parts: int = 1                   # > 1: prepare only part ``part`` of the corpus (see ``parts``)
+    part: int = 0
 
     def key_fields(self) -> dict[str, Any]:
         """The options that change the shards' bytes (worker count and progress do not)."""
@@ -123,6 +130,9 @@ def _validate(opts: PrepareOptions) -> None:
             raise UserError(f"{flag} {value}: must be positive")
     if opts.workers < 0:
         raise UserError(f"--workers {opts.workers}: must be >= 0 (0 = one per core)")
+    if isinstance(opts.out, Path) and str(opts.out).startswith("s3:/"):  # Path() ate one slash
+        raise UserError(f"--out {opts.out}: pass an s3:// url as a string, not a Path")
+    parts.choose_part(opts.num_parts, opts.part)
 
 
 def default_workers() -> int:
@@ -131,35 +141,6 @@ def default_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
-
-
-# ------------------------------------------------------------------------------------ progress
-
-
-class _Progress:
-    """A rich progress bar over input bytes on a terminal; silent otherwise."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.bar: Any = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                       TimeRemainingColumn, TransferSpeedColumn)
-            self.bar = Progress(TextColumn("prepare"), BarColumn(), DownloadColumn(),
-                                TransferSpeedColumn(), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task("prepare", total=total)
-            self.bar.start()
-
-    def advance(self, n: int) -> None:
-        """Count ``n`` more input bytes done."""
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
-
-    def stop(self) -> None:
-        """Remove the bar (it is transient) and give the terminal back."""
-        if self.bar is not None:
-            self.bar.stop()
 
 
 # ------------------------------------------------------------------------------------ pipeline
@@ -178,8 +159,8 @@ def _load_hf_early(opts: PrepareOptions) -> tokmod.LoadedHF | None:
     return tokmod.load_hf(opts.tokenizer, opts.eos_token)
 
 
-def _setup_tokenizer(opts: PrepareOptions, sources: list[Source],
-                     hf: tokmod.LoadedHF | None) -> tokmod.TokenizerSetup:
+def _setup_tokenizer(opts: PrepareOptions, sources: list[Source], hf: tokmod.LoadedHF | None,
+                     val_doc: str | None) -> tokmod.TokenizerSetup:
     if opts.tokenizer == "byte":
         return tokmod.byte_setup()
     if hf is not None:
@@ -190,34 +171,38 @@ def _setup_tokenizer(opts: PrepareOptions, sources: list[Source],
           file=sys.stderr)
     tasks = (task for task, _ in plan_tasks(sources, opts.chunk_bytes, opts.text_field))
     tok = tokmod.train_bpe(train_texts(tasks, opts.val_fraction, opts.text_field, opts.errors,
-                                       opts.bpe_train_bytes), vocab)
+                                       opts.bpe_train_bytes, val_doc), vocab)
     return tokmod.hf_setup(tok, {tokmod.TOKENIZER_FILE: tok.tok.to_str().encode("utf-8")})
 
 
 def _reuse_or_setup(out: Path, key: str, state: dict[str, Any] | None, opts: PrepareOptions,
-                    sources: list[Source], hf: tokmod.LoadedHF | None) -> tokmod.TokenizerSetup:
+                    sources: list[Source], hf: tokmod.LoadedHF | None,
+                    val_doc: str | None) -> tokmod.TokenizerSetup:
     """The tokenizer of an interrupted run with the same key, or a fresh start (old files removed)."""
     if state is not None and state.get("key") == key:
         blob = tokmod.read_setup_file(out, state["tokenizer"])
         if blob is not None:
             return tokmod.TokenizerSetup(state["tokenizer"], blob.decode("utf-8") or None, {})
     clean_outputs(out)
-    setup = _setup_tokenizer(opts, sources, hf)
+    setup = _setup_tokenizer(opts, sources, hf, val_doc)
     tokmod.write_setup_files(out, setup)
     write_run_state(out, key, setup.identity)
     return setup
 
 
-def run_key(sources: list[Source], opts: PrepareOptions, tokenizer_sha: str | None) -> str:
+def run_key(sources: list[Source], opts: PrepareOptions, tokenizer_sha: str | None,
+            val_doc: str | None = None) -> str:
     """Fingerprint of the inputs (name, path, size, mtime) and the options that shape the shards."""
-    desc = {"sources": [[s.input, s.name, os.path.abspath(s.path), s.kind, s.size, s.mtime_ns]
-                        for s in sources],
-            "options": opts.key_fields(), "tokenizer_file_sha256": tokenizer_sha}
+    desc: dict[str, Any] = {"sources": [[s.input, s.name, s.where(), s.kind, s.size, s.mtime_ns]
+                                        + ([s.version] if s.version else []) for s in sources],
+                            "options": opts.key_fields(), "tokenizer_file_sha256": tokenizer_sha}
+    if val_doc is not None:  # only then: keys of existing data directories stay valid
+        desc["val_doc"] = val_doc
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
-            writers: dict[str, ShardWriter], start: SplitResume, progress: _Progress,
+            writers: dict[str, ShardWriter], start: SplitResume, progress: Progress,
             result: PrepareResult) -> tuple[int, dict[str, int]]:
     """Run the tasks from ``start.task`` on, feeding the writers in task order.
 
@@ -258,32 +243,60 @@ def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
     return n_tasks, errors.as_dict()
 
 
-def prepare(opts: PrepareOptions) -> PrepareResult:
-    """Tokenize ``opts.inputs`` into ``opts.out`` (shards + manifest); see the module docstring.
+@dataclass(frozen=True)
+class _Corpus:
+    """The resolved, checked inputs of a run and what is decided from the whole corpus."""
 
-    Raises ``UserError`` (one line naming the file) for bad input, leaving no manifest and no
-    temporary file behind.
-    """
-    t0 = time.perf_counter()
+    sources: list[Source]
+    hf: tokmod.LoadedHF | None
+    val_doc: str | None
+    key: str
+
+
+def _resolve(opts: PrepareOptions) -> _Corpus:
+    """Everything that can be checked without writing, checked (the whole corpus, even in a part)."""
     _validate(opts)
-    # Everything that can be checked without writing is checked first.
     sources = resolve_inputs(opts.inputs, opts.builtin_bytes, opts.text_field)
     if not sources:
         raise _empty_corpus_error(opts, "no input files found")
-    input_bytes = sum(s.size for s in sources)
-    if input_bytes == 0:
+    if sum(s.size for s in sources) == 0:
         raise _empty_corpus_error(opts, f"empty corpus ({len(sources)} files, all empty)")
     hf = _load_hf_early(opts)
-    key = run_key(sources, opts, hashlib.sha256(hf.files[tokmod.TOKENIZER_FILE]).hexdigest() if hf else None)
+    val_doc = fallback_val_document(sources, opts.val_fraction, opts.text_field)
+    sha = hashlib.sha256(hf.files[tokmod.TOKENIZER_FILE]).hexdigest() if hf else None
+    return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc))
 
-    out = Path(opts.out)
+
+def prepare(opts: PrepareOptions) -> PrepareResult:
+    """Tokenize ``opts.inputs`` into ``opts.out`` (shards + manifest); see the module docstring.
+
+    With ``opts.num_parts > 1`` only part ``opts.part`` is prepared, into its folder under
+    ``opts.out`` (see ``parts``). Raises ``UserError`` (one line naming the file) for bad input,
+    leaving no manifest and no temporary file behind.
+    """
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import prepare_remote
+        return prepare_remote(opts, prepare)
+    t0 = time.perf_counter()
+    corpus = _resolve(opts)
+    sources, hf, key, out, part = corpus.sources, corpus.hf, corpus.key, Path(opts.out), None
+    if opts.num_parts > 1:
+        part = {"index": opts.part, "count": opts.num_parts, "corpus": key}
+        if opts.tokenizer.startswith("bpe:"):
+            hf = parts.load_trained(out, key, opts.tokenizer)
+        sources = parts.split_sources(sources, opts.part, opts.num_parts)
+        key = parts.part_key(key, opts.part, opts.num_parts)
+        if out.is_dir():
+            parts.invalidate_merge(out)
+        out = parts.part_dir(out, opts.part, opts.num_parts)
+
     created = not out.exists()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    lock = _lock_dir(out, created)
+    lock = lock_dir(out, created)
     remove_temp_files(out)
-    result = PrepareResult(out=out, manifest={}, input_bytes=input_bytes)
+    result = PrepareResult(out=out, manifest={}, input_bytes=sum(s.size for s in sources))
     writers: dict[str, ShardWriter] = {}
     try:
         state = read_run_state(out)
@@ -294,7 +307,7 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
             result.seconds = time.perf_counter() - t0
             return result
         (out / MANIFEST_NAME).unlink(missing_ok=True)
-        setup = _reuse_or_setup(out, key, state, opts, sources, hf)
+        setup = _reuse_or_setup(out, key, state, opts, sources, hf, corpus.val_doc)
         identity = setup.identity
         dtype = tokmod.dtype_for_vocab(identity["vocab_size"])
         splits = ["train", "val"] if opts.val_fraction > 0 else ["train"]
@@ -306,8 +319,9 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
                                          r.done, r.task, r.skip, r.complete)
         result.shards_skipped = sum(len(r.done) for r in resumes.values())
         spec = EncodeSpec(identity["kind"], setup.tokenizer_json, identity["eos_id"], dtype,
-                          opts.val_fraction, opts.text_field, opts.errors)
-        progress = _Progress(sys.stderr.isatty() if opts.progress is None else opts.progress, input_bytes)
+                          opts.val_fraction, opts.text_field, opts.errors, corpus.val_doc)
+        progress = Progress(sys.stderr.isatty() if opts.progress is None else opts.progress,
+                             result.input_bytes)
         try:
             if all(r.complete for r in resumes.values()):
                 n_tasks, errors = start.task, dict(start.errors_before)
@@ -317,9 +331,12 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
             progress.stop()
         for w in writers.values():
             w.close(n_tasks, errors)
-        _check_not_empty(opts, writers)
+        if part is None:  # a part may hold no document of a split: merge checks the whole
+            check_not_empty(opts, {s: w.tokens() for s, w in writers.items()})
         manifest = build_manifest(opts, sources, identity, dtype,
                                   {s: w.records for s, w in writers.items()}, errors)
+        if part is not None:
+            manifest["part"] = part
         atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
         result.manifest = manifest
         result.shards_written = sum(w.written for w in writers.values())
@@ -339,8 +356,32 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
     return result
 
 
-def _lock_dir(out: Path, created: bool) -> int:
-    """An exclusive lock on DATA_DIR for this run: two prepares into one directory (a command run
+def train_tokenizer(opts: PrepareOptions) -> str:
+    """``--train-tokenizer-only``: train a ``bpe:VOCAB`` tokenizer once, before the parts of a
+    ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line."""
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import train_remote
+        return train_remote(opts, train_tokenizer)
+    corpus = _resolve(opts)
+    if not opts.tokenizer.startswith("bpe:"):
+        return f"nothing to train: --tokenizer {opts.tokenizer} is used as it is"
+    out = Path(opts.out)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_dir(out, created)
+    try:
+        if parts.trained_identity(out, corpus.key) is not None:
+            return f"{out / tokmod.TOKENIZER_DIR}: {opts.tokenizer} already trained for these inputs"
+        setup = _setup_tokenizer(opts, corpus.sources, None, corpus.val_doc)
+        tokmod.write_setup_files(out, setup)
+        parts.write_trained_record(out, corpus.key, setup.identity)
+    finally:
+        os.close(lock)
+    return f"trained {opts.tokenizer} into {out / tokmod.TOKENIZER_DIR}: now run the parts (--num-parts N --part I)"
+
+
+def lock_dir(out: Path, created: bool) -> int:
+    """An exclusive lock on DATA_DIR for this run (a file descriptor to ``os.close``): two prepares into one directory (a command run
     on every rank, a demo started twice) would interleave their shards."""
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -353,16 +394,16 @@ def _lock_dir(out: Path, created: bool) -> int:
     return fd
 
 
-def _check_not_empty(opts: PrepareOptions, writers: dict[str, ShardWriter]) -> None:
-    train = writers["train"].tokens()
-    val = writers["val"].tokens() if "val" in writers else 0
+def check_not_empty(opts: PrepareOptions, tokens: dict[str, int]) -> None:
+    """Refuse a result whose train split, or validation split when asked for, is empty."""
+    train, val = tokens["train"], tokens.get("val", 0)
     if train == 0 and val == 0:
         raise _empty_corpus_error(opts, "empty corpus (no text left after decoding; "
                                   "every document was empty or skipped)")
     if train == 0:
         raise _empty_corpus_error(opts, f"every document fell into the validation split "
                                   f"(--val-fraction {opts.val_fraction}); lower it or add documents")
-    if "val" in writers and val == 0:
+    if "val" in tokens and val == 0:
         raise _empty_corpus_error(opts, f"no document fell into the validation split "
                                   f"(--val-fraction {opts.val_fraction}); raise it, add documents, "
                                   "or pass --val-fraction 0")

@@ -13,9 +13,9 @@ pickled to the worker processes, so items are NamedTuples: as cheap to pickle as
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple, TypeAlias
+from typing import BinaryIO, NamedTuple, TypeAlias
 
-from podtrain.data.prepare.sources import Source, load_pyarrow
+from podtrain.data.prepare.sources import Source, load_pyarrow, open_source
 from podtrain.errors import UserError
 
 
@@ -81,16 +81,29 @@ def _cut_lines(buf: bytes) -> int:
     return buf.rfind(b"\n") + 1
 
 
+def _read_full(fh: BinaryIO, n: int) -> bytes:
+    """``n`` bytes, fewer only at the end (a raw stream, e.g. S3's, may return less per call)."""
+    data = fh.read(n)
+    if len(data) in (0, n):
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n and (more := fh.read(n - got)):
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
 def _pieces(src: Source, chunk: int, cut: Callable[[bytes], int]) -> Iterator[tuple[bytes, int, bool]]:
     """``(piece, offset, last)`` of a file read ``chunk`` bytes at a time and cut where ``cut``
     says; ``cut(buf) == 0`` keeps reading. The last piece, possibly empty, has ``last`` true."""
     try:
-        with open(src.path, "rb") as fh:
+        with open_source(src) as fh:
             carry, offset = b"", 0
             while True:
-                data = fh.read(chunk)
+                data = _read_full(fh, chunk)
                 buf = carry + data
-                if len(data) < chunk:  # a short read of a regular file is its end
+                if len(data) < chunk:  # a short read is the end (_read_full reads on otherwise)
                     yield buf, offset, True
                     return
                 n = cut(buf)
@@ -121,17 +134,18 @@ def _parquet_items(src: Source, text_field: str) -> Iterator[Item]:
     pa = load_pyarrow()
     row = 0
     try:
-        pf = pa.parquet.ParquetFile(src.path)
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
-            col = batch.column(0)
-            # Read as bytes so invalid UTF-8 meets the same --errors policy as text files.
-            if pa.types.is_string(col.type):
-                col = col.cast(pa.binary())
-            elif pa.types.is_large_string(col.type):
-                col = col.cast(pa.large_binary())
-            rows = col.to_pylist()
-            yield RowsItem(src.name, str(src.path), rows, row)
-            row += len(rows)
+        with open_source(src) as fh:
+            for batch in pa.parquet.ParquetFile(fh).iter_batches(batch_size=PARQUET_BATCH_ROWS,
+                                                                 columns=[text_field]):
+                col = batch.column(0)
+                # Read as bytes so invalid UTF-8 meets the same --errors policy as text files.
+                if pa.types.is_string(col.type):
+                    col = col.cast(pa.binary())
+                elif pa.types.is_large_string(col.type):
+                    col = col.cast(pa.large_binary())
+                rows = col.to_pylist()
+                yield RowsItem(src.name, str(src.path), rows, row)
+                row += len(rows)
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"{src.path}: cannot read Parquet ({str(exc).splitlines()[0]})") from None
 

@@ -29,6 +29,7 @@ from podtrain.fsutil import atomic_write_text, open_temp, publish_temp, sha256_f
 
 STATE_DIR = ".prepare"
 RUN_STATE = "run.json"
+PARTS_DIR = "parts"  # DATA_DIR/parts/IIIII-of-NNNNN/: the parts of a --num-parts prepare (see parts)
 SHARD_RE = re.compile(r"^(train|val)_(\d{5})\.bin$")
 
 
@@ -189,7 +190,7 @@ def clean_outputs(out: Path) -> None:
         for p in out.iterdir():
             if SHARD_RE.match(p.name):
                 p.unlink(missing_ok=True)
-    for sub in (STATE_DIR, TOKENIZER_DIR):
+    for sub in (STATE_DIR, TOKENIZER_DIR, PARTS_DIR):
         if (out / sub).is_dir():
             shutil.rmtree(out / sub)
     remove_temp_files(out)

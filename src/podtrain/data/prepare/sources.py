@@ -1,19 +1,22 @@
-"""Input resolution for ``podtrain prepare``: INPUTs (files, directories, globs, ``builtin``) to
-an ordered list of source files, each with the name its documents are hashed by.
+"""Input resolution for ``podtrain prepare``: INPUTs (files, directories, globs, ``s3://`` prefixes
+or objects, ``builtin``) to an ordered list of source files, each with the name its documents are
+hashed by.
 
-A source's name: its path relative to the INPUT directory; a file named directly: its file name;
-a glob match: the path as matched. Nothing is read beyond ``stat`` and the Parquet schema, so
-every bad INPUT is reported before ``prepare`` writes anything.
+A source's name: its path relative to the INPUT directory (or ``s3://`` prefix); a file or object
+named directly: its file name; a glob match: the path as matched. Nothing is read beyond ``stat``
+(a listing on S3) and the Parquet schema, so every bad INPUT is reported before ``prepare`` writes
+anything. ``open_source`` opens a source wherever it lies (S3 through ``podtrain.storage``).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.errors import UserError
@@ -33,10 +36,59 @@ class Source:
 
     input: str
     name: str
-    path: Path
+    path: Path | str   # str: the object's s3:// url
     kind: str          # text | jsonl | parquet
     size: int
-    mtime_ns: int
+    mtime_ns: int      # 0 on S3, where ``version`` (the ETag) tells a changed object
+    version: str = ""
+
+    def where(self) -> str:
+        """The path or url, absolute: what identifies the source in run keys and messages."""
+        return self.path if isinstance(self.path, str) else os.path.abspath(self.path)
+
+
+def is_s3(url: str | Path) -> bool:
+    """Whether ``url`` names an S3 location."""
+    return isinstance(url, str) and url.startswith("s3://")
+
+
+@functools.lru_cache(maxsize=64)
+def _store(url: str) -> Any:
+    from podtrain.storage import open_store  # only S3 inputs need it (and its extra)
+    return open_store(url)
+
+
+def open_source(src: Source) -> BinaryIO:
+    """A binary, seekable file object of the source (an S3 object through ``podtrain.storage``)."""
+    if isinstance(src.path, str):
+        parent, _, name = src.path.rpartition("/")
+        return _store(parent).open_read(name)
+    return open(src.path, "rb")
+
+
+def _s3_sources(inp: str) -> list[Source]:
+    """The objects under an ``s3://`` prefix (text, JSONL, Parquet by suffix), or the one object named."""
+    root = inp.rstrip("/")
+    found = [(e.name, e) for e in _store(root).list()
+             if not any(part.startswith(".") for part in e.name.split("/"))]
+    out = [Source(inp, name, f"{root}/{name}", kind, e.size, 0, str(e.version))
+           for name, e in sorted(found, key=lambda t: t[0])
+           if (kind := _kind_of(Path(name), explicit=False)) is not None]
+    if out:
+        return out
+    parent, _, base = root.rpartition("/")
+    if base and parent.count("/") >= 2:  # s3://bucket/KEY: perhaps the object itself
+        from podtrain.storage import NotFound
+        try:
+            e = _store(parent).stat(base)
+        except NotFound:
+            pass
+        else:
+            return [Source(inp, base, root, _kind_of(Path(base), explicit=True) or "text", e.size, 0,
+                           str(e.version))]
+    if found:
+        raise UserError(f"{inp}: holds no text, .jsonl or .parquet objects")
+    raise UserError(f"{inp}: no such S3 object or prefix (nothing listed there)")
 
 
 def _kind_of(path: Path, explicit: bool) -> str | None:
@@ -75,6 +127,8 @@ def _walk_dir(inp: str, root: Path) -> list[Source]:
 
 
 def _expand(inp: str, builtin_bytes: int) -> list[Source]:
+    if is_s3(inp):
+        return _s3_sources(inp)
     if inp == "builtin":
         return [Source("builtin", f.name, f.path, "text", f.size, f.path.stat().st_mtime_ns)
                 for f in builtin_corpus.builtin_files(builtin_bytes)]
@@ -105,13 +159,14 @@ def resolve_inputs(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DE
     A path that does not exist, a glob with no match, or a Parquet file without ``text_field`` is
     a one-line user error; nothing is written before this succeeds.
     """
-    seen: set[tuple[int, int]] = set()
+    seen: set[Any] = set()
     sources: list[Source] = []
     for inp in inputs:
         for src in _expand(inp, builtin_bytes):
-            st = os.stat(src.path)
-            if (st.st_dev, st.st_ino) not in seen:  # the same file named twice is read once
-                seen.add((st.st_dev, st.st_ino))
+            st = None if isinstance(src.path, str) else os.stat(src.path)
+            ident = src.path if st is None else (st.st_dev, st.st_ino)
+            if ident not in seen:  # the same file named twice is read once
+                seen.add(ident)
                 sources.append(src)
     for src in sources:
         if src.kind == "parquet":
@@ -135,7 +190,8 @@ def load_pyarrow() -> Any:
 def _check_parquet(src: Source, text_field: str) -> None:
     pa = load_pyarrow()
     try:
-        schema = pa.parquet.ParquetFile(src.path).schema_arrow
+        with open_source(src) as fh:
+            schema = pa.parquet.ParquetFile(fh).schema_arrow
     except (OSError, pa.ArrowException) as exc:
         raise UserError(f"{src.path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
     if text_field not in schema.names:

@@ -1,0 +1,92 @@
+"""What ``podtrain eval`` evaluates: a run's checkpoint or an exported Hugging Face folder.
+
+A run directory's checkpoint is read whole through ``ckpt.reader`` (the same functions
+``sample`` and ``export`` use; FSDP/HSDP checkpoints come back as whole weights), so every rank
+holds the whole model; the tokenizer is the run's data directory's (``--data`` overrides), checked
+against the hash the checkpoint recorded. Which checkpoint is rank 0's decision (the newest, or
+``--step``), broadcast, so a save landing meanwhile cannot split the ranks.
+An exported folder (``podtrain export``, or any folder with ``config.json`` and
+``tokenizer.json``) loads through transformers; its tokenizer is podtrain's byte tokenizer when
+``podtrain_export.json`` says so, else the folder's ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from podtrain.data.manifest import Manifest, read_manifest
+from podtrain.distributed.group import DistContext
+from podtrain.errors import UserError
+
+
+@dataclass
+class Source:
+    """A model ready to evaluate, its tokenizer, and where they came from."""
+
+    model: nn.Module
+    tokenizer: Any
+    manifest: Manifest | None
+    """The data directory the tokenizer belongs to (its validation split makes the shipped tasks)."""
+    step: int | None
+    label: str
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A model folder (``config.json``) rather than a run directory (``ckpt/``)."""
+    return (path / "config.json").is_file() and not (path / "ckpt").is_dir()
+
+
+def load_source(path: Path, step: int | None, data: Path | None, ctx: DistContext) -> Source:
+    """The model and tokenizer of ``path`` on this rank (called on every rank)."""
+    if not path.exists():
+        raise UserError(f"{path} does not exist (a run directory or an exported model folder)")
+    if is_hf_folder(path):
+        if step is not None:
+            raise UserError(f"--step {step}: {path} is an exported folder (one step), not a run directory")
+        return _load_hf(path, data)
+    chosen = ctx.broadcast_object(ctx.agree_on(lambda: _latest_step(path, step) if ctx.is_main else None))
+    return ctx.agree_on(lambda: _load_run(path, chosen, data))
+
+
+def _latest_step(run_dir: Path, step: int | None) -> int:
+    from podtrain.ckpt.reader import load_latest
+
+    return step if step is not None else load_latest(run_dir).step
+
+
+def _load_run(run_dir: Path, step: int, data: Path | None) -> Source:
+    from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_step, run_config_of
+    from podtrain.data.tokenizer import load_tokenizer
+
+    ckpt = load_step(run_dir, step)
+    run_config = run_config_of(run_dir, ckpt)
+    data = Path(data or (run_config.get("data") or {}).get("path", ""))
+    if not (data / "manifest.json").is_file():
+        raise UserError(f"tokenizer not found: {data} (the run's data.path) has no manifest.json; "
+                        "pass --data DATA_DIR")
+    manifest = read_manifest(data)
+    check_tokenizer(ckpt, manifest.raw["tokenizer"], data)
+    model = build_model_from_checkpoint(ckpt, run_config)
+    return Source(model, load_tokenizer(manifest), manifest, ckpt.step, f"{run_dir} step {ckpt.step}")
+
+
+def _load_hf(folder: Path, data: Path | None) -> Source:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from podtrain.data.tokenizer import ByteTokenizer, load_hf
+
+    info_path = folder / "podtrain_export.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    if (info.get("tokenizer") or {}).get("kind") == "byte":
+        tokenizer: Any = ByteTokenizer()
+    else:
+        tokenizer = load_hf(str(folder)).tokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    manifest = read_manifest(data) if data is not None else None
+    return Source(model, tokenizer, manifest, info.get("step"), str(folder))
