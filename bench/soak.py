@@ -209,7 +209,9 @@ class Soak:
         if run_dir in self.mounts:
             procs.unmount(run_dir)
             self.mounts.remove(run_dir)
-        result.update(wall_s=wall, job_s=sum(a.wall_s for a in attempts), attempts=len(attempts))
+        result.update(wall_s=wall, job_s=sum(a.wall_s for a in attempts), attempts=len(attempts),
+                      launches=[{"ended_by": a.fault or "end", "code": a.code, "wall_s": round(a.wall_s, 1),
+                                 "steps": [a.steps[0], a.steps[-1]] if a.steps else []} for a in attempts])
         result["lost_s"] = result["job_s"] - ref["wall_s"]
         return result
 

@@ -107,6 +107,10 @@ def print_table(figures: dict) -> None:
     for r in figures["rounds"]:
         print(f"{r['round']:<6}{r['attempts']:>9}{r['job_s']:>8.1f}{r['lost_s']:>8.1f}  "
               f"{r['weights']} / {r['losses']}")
+    for r in figures["rounds"]:
+        print(f"round {r['round']} launches: " + ", ".join(
+            f"{x['ended_by']} (exit {x['code']}, steps {'-'.join(map(str, x['steps'])) or 'none'}, {x['wall_s']} s)"
+            for x in r["launches"]))
     for p in figures["problems"]:
         print(f"FAILED: {p}")
     print("soak: PASSED" if figures["ok"] else "soak: FAILED", flush=True)
