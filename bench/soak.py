@@ -8,12 +8,14 @@ every fault (`podtrain launch local CONFIG --nproc 2`, auto-resume) until it fin
 
 * kill    SIGKILL of one random rank's worker at a random step (mid-step or mid-save);
 * term    SIGTERM to the launcher: podtrain checkpoints that step and exits 143;
-* enospc  the tmpfs is filled to a random fraction of one checkpoint before a launch, so its next
-          save runs out of space: one line naming the culprit, exit 2; the soak frees the space;
+* enospc  at a random step the tmpfs is filled up to a random fraction of one checkpoint, so the
+          save in flight or the next one runs out of space: one line naming the culprit, exit 2;
+          the soak frees the space;
 * corrupt before a relaunch, bytes in the second half of the newest checkpoint's largest data file
           are inverted: resume must detect it and fall back to the checkpoint before.
 
-Every round has each fault once, in random order (corrupt before a random relaunch). A fault is
+Every round has each fault once (``--kinds``), in random order (corrupt before a random relaunch),
+each at least ckpt.every steps past the launch's resume point (so a checkpoint was written). A fault is
 survived when its attempt ended as documented (README's exit codes), the next launch resumed from
 the expected checkpoint (the newest one; for corrupt, the one before) and went past it. At the end
 `podtrain export` of the round and of the reference must hold bit-identical weights, and every
@@ -89,6 +91,7 @@ class Soak:
         self.rounds: list[dict] = []
         self.active: list[subprocess.Popen] = []
         self.mounts: list[Path] = []
+        self.ckpt_bytes = 0  # one checkpoint's size, from the reference run
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
@@ -168,7 +171,7 @@ class Soak:
     def round(self, index: int, data: Path, ref: dict) -> dict:
         """A fresh faulted run to the end, then its export compared with the reference's."""
         run_dir = self.work / f"round{index}"
-        ckpt = ref["ckpt_bytes"]
+        self.ckpt_bytes = ckpt = ref["ckpt_bytes"]
         if "enospc" in self.args.kinds:
             procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
             self.mounts.append(run_dir)
@@ -182,13 +185,9 @@ class Soak:
         for n, kind in enumerate(plan):
             if n >= corrupt_before and not any(f.kind == "corrupt" and f.round == index for f in self.faults):
                 pending += self.corrupt(run_dir, index)
-            filler = run_dir / "filler"
-            if kind == "enospc":
-                leave = int(ckpt * self.rng.uniform(0.2, 0.8))
-                procs.fill(filler, leave)
             attempt, fault = self.attempt(run_dir, data, index, n, kind, pending)
             attempts.append(attempt)
-            filler.unlink(missing_ok=True)
+            (run_dir / "filler").unlink(missing_ok=True)
             if fault is not None:
                 self.faults.append(fault)
                 fault.at_step = max(attempt.steps, default=fault.at_step)
@@ -235,15 +234,13 @@ class Soak:
         t0 = time.monotonic()
         proc, log = self.launch(run_dir, data, f"round{index}_attempt{n}_{kind or 'final'}")
         fault = None
-        if kind in ("kill", "term"):
-            fault = self.signal_at_random_step(proc, run_dir, offset, index, kind)
+        if kind is not None:
+            fault = self.fault_at_random_step(proc, run_dir, offset, index, kind)
         code = self.wait(proc, f"round {index} attempt {n}")
         wall = time.monotonic() - t0
         steps, losses = read_metrics(run_dir, offset)
         output = log.read_text(errors="replace")
         attempt = Attempt(kind, code, wall, steps, losses, output)
-        if kind == "enospc":
-            fault = Fault("enospc", index, max(steps, default=0), "tmpfs filled before the launch")
         if fault is not None and fault.survived is None:
             fault.survived, fault.reason = outcome_problem(kind, code, output)
         self.judge(pending, attempt)
@@ -251,10 +248,10 @@ class Soak:
             print(f"soak: round {index}: the final launch exited {code}; see {log}", flush=True)
         return attempt, fault
 
-    def signal_at_random_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
-                              kind: str) -> Fault | None:
-        """Wait for a random step past the resume point, then kill -9 a random rank or SIGTERM
-        the launcher."""
+    def fault_at_random_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
+                             kind: str) -> Fault:
+        """Wait for a random step past the resume point, then kill -9 a random rank, SIGTERM the
+        launcher, or fill the disk (its next save, or the one in flight, runs out of space)."""
         # At least ckpt.every steps past the resume point, so the launch saves at least once.
         hold = self.rng.randint(self.args.ckpt_every, 2 * self.args.ckpt_every - 1)
 
@@ -270,6 +267,10 @@ class Soak:
         if kind == "term":
             proc.send_signal(signal.SIGTERM)
             return Fault(kind, index, at, "SIGTERM to the launcher")
+        if kind == "enospc":
+            leave = int(self.ckpt_bytes * self.rng.uniform(0.2, 0.8))
+            procs.fill(run_dir / "filler", leave)
+            return Fault(kind, index, at, f"disk filled at step {at}, {leave >> 20} MiB left")
         time.sleep(self.rng.uniform(0.0, 0.3))  # anywhere in a step, or in a save
         rank = self.rng.randrange(self.args.nproc)
         pid = procs.worker_pids(proc.pid).get(rank)
