@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from podtrain.ckpt import layout  # noqa: E402
 from podtrain.ckpt.checkpointer import Checkpointer  # noqa: E402
 from podtrain.ckpt.reader import load_weights, read_checkpoint  # noqa: E402
+from podtrain.ckpt.store import open_store  # noqa: E402
 from podtrain.config_sections import CkptSection  # noqa: E402
 from podtrain.distributed.env import ClusterEnv  # noqa: E402
 from podtrain.distributed.group import DistContext  # noqa: E402
@@ -156,10 +157,14 @@ def run_load(preset: str, run_dir: str, whole: bool, out) -> None:
     release_free_heap()
     if whole:
         def load():
-            choice = layout.find_latest_valid(Path(run_dir) / layout.CKPT_SUBDIR)
-            data = read_checkpoint(choice.path, choice.manifest)
-            load_weights(model, data.model_state, choice.path)
-            opt.load_state_dict(data.state["optimizer"])
+            store = open_store(str(Path(run_dir) / layout.CKPT_SUBDIR))
+            choice = layout.find_latest(store)
+            data = read_checkpoint(store, choice.name, choice.manifest)  # every tensor whole
+            load_weights(model, data.model_state, data.path)
+            params = dict(model.named_parameters())
+            for key, value in data.optimizer.items():  # state.<param>.<key>
+                fqn, leaf = key[len("state."):].rsplit(".", 1)
+                opt.state[params[fqn]][leaf] = value
             del data
             touch_in_place(opt)
     else:

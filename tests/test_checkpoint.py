@@ -19,7 +19,8 @@ from multirank import run_ranks
 from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.reader import load_latest_weights
-from podtrain.ckpt.tensorio import read_safetensors, write_safetensors
+from podtrain.ckpt.state import restore_rng
+from podtrain.ckpt.tensorio import TensorSpec, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, process_group
@@ -118,7 +119,7 @@ class Records(logging.Handler):
 
 
 # -- round trip on 2 ranks -------------------------------------------------------------------------
-def _roundtrip_rank(rank, world, run_dir, fmt):
+def _roundtrip_rank(rank, world, run_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     with process_group(ClusterEnv.detect(), "gloo") as ctx:
@@ -126,7 +127,7 @@ def _roundtrip_rank(rank, world, run_dir, fmt):
         ddp = DDP(model)
         train_steps(ddp, opt, 2, seed=7)
         seed_rngs(100 + rank)  # each rank's own RNG stream
-        ck = Checkpointer(Path(run_dir), CkptSection(format=fmt, async_save=True), ctx)
+        ck = Checkpointer(Path(run_dir), CkptSection(async_save=True), ctx)
         ck.save(2, ddp, opt, None, train_state(2))
         ck.wait()
         saved_w, expected = weights(model), draws()
@@ -140,8 +141,9 @@ def _roundtrip_rank(rank, world, run_dir, fmt):
         train_steps(model2, opt2, 1, seed=3)
         seed_rngs(999)
         ddp2 = DDP(model2)
-        ck2 = Checkpointer(Path(run_dir), CkptSection(format=fmt), ctx)
+        ck2 = Checkpointer(Path(run_dir), CkptSection(), ctx)
         state = ck2.restore(ddp2, opt2, None)
+        restore_rng(state.rng, ctx.device)  # what the loop applies (saving.apply_resume)
         got_draws = draws()
         restored_w = weights(model2)
         opt_ok = True
@@ -157,30 +159,27 @@ def _roundtrip_rank(rank, world, run_dir, fmt):
                 "state": state}
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
-def test_roundtrip_two_ranks_bit_identical(tmp_path, fmt):
-    results = run_ranks(_roundtrip_rank, 2, str(tmp_path), fmt, timeout=90)
+def test_roundtrip_two_ranks_bit_identical(tmp_path):
+    results = run_ranks(_roundtrip_rank, 2, str(tmp_path), timeout=90)
     for rank, r in enumerate(results):
         assert r["weights"], f"rank {rank}: weights differ after restore"
         assert r["draws"], f"rank {rank}: RNG streams differ after restore"
         assert r["optimizer"], f"rank {rank}: optimizer state differs after restore"
         assert r["continued"], f"rank {rank}: the step after the restore differs"
-        assert r["state"]["step"] == 2 and r["state"]["loader"] == {"epoch": 0, "consumed": 8}
-        assert r["state"]["run_id"] == "abc123" and r["state"]["world_size"] == 2
-        assert r["state"]["config"] == train_state(2)["config"]
+        assert r["state"].step == 2 and r["state"].loader == {"epoch": 0, "consumed": 8}
+        assert r["state"].run_id == "abc123" and r["state"].saved_world_size == 2
+        assert r["state"].train_state["config"] == train_state(2)["config"]
     ckpt = tmp_path / "ckpt" / "step_000002"
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     files = set(manifest["files"])
-    if fmt == "safetensors":
-        names = set(read_safetensors(ckpt / "model.safetensors"))
-        assert files == {"model.safetensors", "state.safetensors", "state.json", "config.json"}
-        assert not any(n.startswith(("module.", "_orig_mod.")) for n in names)
-        assert "lm_head.weight" not in names  # tied to the embedding: stored once
-    else:
-        shards = [f for f in files if f.startswith("dcp/")]
-        assert len(shards) == 2, f"both ranks should write a share: {sorted(files)}"
-    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+    assert files == {"rank_00000.safetensors", "rank_00001.safetensors", "state.safetensors",
+                     "state.json", "config.json"}  # both ranks wrote their share
+    names = set(manifest["tensors"])
+    assert not any(n.startswith(("model/module.", "model/_orig_mod.")) for n in names)
+    assert "model/lm_head.weight" not in names  # tied to the embedding: stored once
+    assert any(n.startswith("optim/state.model.embed_tokens.weight.") for n in names)  # keyed by name
+    assert not list((tmp_path / "ckpt").rglob(".tmp-*"))
 
 
 # -- which checkpoint is chosen --------------------------------------------------------------------
@@ -191,14 +190,12 @@ def test_partial_directories_are_never_chosen(tmp_path):
     step2 = weights(model)
     save_sync(tmp_path, 2, model, opt)
     root = tmp_path / "ckpt"
-    # A temporary directory as a killed save leaves it (complete content, temporary name) ...
-    tmp_dir = root / ".tmp-step_000003-deadbeef"
-    os.makedirs(tmp_dir)
-    for f in (root / "step_000002").iterdir():
-        (tmp_dir / f.name).write_bytes(f.read_bytes())
-    # ... and a step directory whose manifest never got written, with `latest` pointing at it.
+    # A step directory whose manifest never got written, with `latest` pointing at it, and the
+    # temporary file of a writer killed mid-file in it.
     partial = root / "step_000004"
     partial.mkdir()
+    tmp_file = partial / ".rank_00001.safetensors.k1ll.tmp"
+    tmp_file.write_bytes(b"half a file")
     for f in (root / "step_000002").iterdir():
         if f.name != "manifest.json":
             (partial / f.name).write_bytes(f.read_bytes())
@@ -208,10 +205,9 @@ def test_partial_directories_are_never_chosen(tmp_path):
     ck = Checkpointer(tmp_path, CkptSection(), single_ctx())
     with Records() as rec:
         state = ck.restore(model2, opt2, None)
-    assert state["step"] == 2 and same_state(step2, weights(model2))
-    assert ck.skipped == [(str(partial), "no manifest.json (the save did not finish)")]
-    assert any("step_000004" in m and "manifest" in m for m in rec.messages)
-    assert not tmp_dir.exists(), "a killed save's temporary directory is cleaned up"
+    assert state.step == 2 and same_state(step2, weights(model2))
+    assert any("step_000004" in m and "unfinished" in m for m in rec.messages)
+    assert not tmp_file.exists() and not partial.exists(), "a killed save's files are cleaned up"
 
 
 def test_flipped_byte_is_skipped_with_a_warning(tmp_path):
@@ -220,7 +216,7 @@ def test_flipped_byte_is_skipped_with_a_warning(tmp_path):
     step1 = weights(model)
     train_steps(model, opt, 1, seed=1)
     save_sync(tmp_path, 2, model, opt)
-    target = tmp_path / "ckpt" / "step_000002" / "model.safetensors"
+    target = tmp_path / "ckpt" / "step_000002" / "rank_00000.safetensors"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x01
     target.write_bytes(bytes(data))
@@ -228,10 +224,10 @@ def test_flipped_byte_is_skipped_with_a_warning(tmp_path):
     model2, opt2 = tiny(seed=5)
     with Records() as rec:
         state = Checkpointer(tmp_path, CkptSection(), single_ctx()).restore(model2, opt2, None)
-    assert state["step"] == 1 and same_state(step1, weights(model2))
-    warning = [m for m in rec.messages if m.startswith("skipping checkpoint")]
-    assert len(warning) == 1 and "step_000002" in warning[0] and "model.safetensors" in warning[0]
-    assert "SHA-256" in warning[0]
+    assert state.step == 1 and same_state(step1, weights(model2))
+    warning = [m for m in rec.messages if "failed its checks" in m]
+    assert len(warning) == 1 and "step_000002" in warning[0] and "rank_00000.safetensors" in warning[0]
+    assert "CRC-32" in warning[0] and "falls back to the previous checkpoint" in warning[0]
 
 
 class _Payload:
@@ -250,10 +246,8 @@ def _craft_pickle_checkpoint(root: Path, side_effect: Path, name: str) -> Path:
     ckpt.mkdir(parents=True)
     blob = pickle.dumps({"model": _Payload(str(side_effect))})
     (ckpt / name).write_bytes(blob)
-    import hashlib
-
-    manifest = {"format": layout.FORMAT, "step": 9, "layout": "safetensors", "world_size": 1,
-                "files": {name: {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}}
+    manifest = {"format": layout.FORMAT, "step": 9, "world_size": 1, "tensors": {},
+                "files": {name: {"bytes": len(blob)}}}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     return ckpt
 
@@ -324,7 +318,7 @@ def _exists_rank(rank, world, run_dir):
             os.path.isfile = lambda p: False
             os.path.isdir = lambda p: False
         state = Checkpointer(Path(run_dir), CkptSection(), ctx).restore(model, opt, None)
-        return state["step"], [v.sum().item() for v in model.state_dict().values()]
+        return state.step, [v.sum().item() for v in model.state_dict().values()]
 
 
 def test_exists_disagreeing_on_rank1_does_not_hang(tmp_path):
@@ -335,32 +329,6 @@ def test_exists_disagreeing_on_rank1_does_not_hang(tmp_path):
     (s0, w0), (s1, w1) = run_ranks(_exists_rank, 2, str(tmp_path), timeout=60)
     assert s0 == s1 == 3 and w0 == w1
     assert time.monotonic() - started < 30
-
-
-def _failing_rank(rank, world, run_dir):
-    import podtrain.ckpt.writer as ckmod
-
-    with process_group(ClusterEnv.detect(), "gloo") as ctx:
-        model, opt = tiny()
-        if rank == 0:
-            def broken(path, *a, **k):
-                raise OSError(28, "No space left on device", str(path))
-            ckmod.write_safetensors = ckmod.write_safetensors_stream = broken
-        ck = Checkpointer(Path(run_dir), CkptSection(), ctx)
-        ck.save(1, model, opt, None, train_state(1))
-        try:
-            ck.wait()
-        except RuntimeError as exc:
-            return str(exc)
-        finally:
-            ck.close()
-        return None
-
-
-def test_write_failure_reaches_every_rank(tmp_path):
-    errors = run_ranks(_failing_rank, 2, str(tmp_path), timeout=60)
-    assert all(e and "No space left" in e and "step 1" in e for e in errors)
-    assert not list((tmp_path / "ckpt").glob("step_*"))
 
 
 # -- retention, timelines, readers -----------------------------------------------------------------
@@ -426,16 +394,18 @@ def test_should_save_and_repeated_step(tmp_path):
     assert [s for s, _ in layout.list_checkpoints(tmp_path / "ckpt")] == [3]
 
 
-def test_safetensors_writer_matches_the_library(tmp_path):
+def test_piece_files_are_safetensors_the_library_reads(tmp_path):
+    from safetensors.torch import load_file
+
     tensors = {"a": torch.arange(7, dtype=torch.float32), "b": torch.tensor(3.5, dtype=torch.bfloat16),
                "c": torch.zeros(0, 4), "d": torch.tensor([True, False]), "e": torch.arange(6).reshape(2, 3)}
-    rec = write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
-    back = read_safetensors(tmp_path / "x.safetensors")
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    chunks = [memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") for t in tensors.values() if t.numel()]
+    with open(tmp_path / "x.safetensors", "wb") as fh:
+        _, crcs, nbytes = write_pieces(fh, specs, chunks, {"k": "v"})
+    back = load_file(str(tmp_path / "x.safetensors"))
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
-    from podtrain.fsutil import sha256_file
-
-    assert rec.sha256 == sha256_file(tmp_path / "x.safetensors")
-    assert rec.bytes == (tmp_path / "x.safetensors").stat().st_size
+    assert nbytes == (tmp_path / "x.safetensors").stat().st_size and len(crcs) == len(tensors)
 
 
 # -- stop signals ----------------------------------------------------------------------------------
@@ -480,7 +450,7 @@ def _other_world_rank(rank, world, run_dir):
     with process_group(ClusterEnv.detect(), "gloo") as ctx, Records() as rec:
         model, opt = tiny(seed=3)
         state = Checkpointer(Path(run_dir), CkptSection(), ctx).restore(model, opt, None)
-        return state["step"], state["world_size"], weights(model), rec.messages
+        return state.step, state.saved_world_size, weights(model), rec.messages
 
 
 def test_resume_with_another_world_size_loads_weights_not_rng(tmp_path):
@@ -500,9 +470,11 @@ def _restore_failing_on_rank1(rank, world, run_dir):
         ckpt.save(3, model, opt, None, train_state(3))
         ckpt.wait()
         if rank == 1:  # this rank alone cannot load (e.g. a stale mount); the others must not wait
+            import podtrain.ckpt.checkpointer as module
+
             def broken(*_args):
                 raise UserError("weights unreadable here")
-            ckpt._load = broken
+            module.prepare = broken
         try:
             ckpt.restore(model, opt, None)
         except UserError as exc:

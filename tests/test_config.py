@@ -70,8 +70,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_override_values_are_parsed_by_the_key_type(tmp_path):
     # YAML 1.1 would read these as booleans/null; the key's type decides instead.
-    cfg = load_config(None, ["log.progress=off", "ckpt.format=dcp", "model.vocab_size=null", "log.every=5"])
-    assert (cfg.log.progress, cfg.ckpt.format, cfg.model.vocab_size, cfg.log.every) == ("off", "dcp", None, 5)
+    cfg = load_config(None, ["log.progress=off", "ckpt.resume=never", "model.vocab_size=null", "log.every=5"])
+    assert (cfg.log.progress, cfg.ckpt.resume, cfg.model.vocab_size, cfg.log.every) == ("off", "never", None, 5)
     path = tmp_path / "c.yaml"
     path.write_text("log:\n  progress: off\n")
     assert load_config(path).log.progress == "off"

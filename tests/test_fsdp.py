@@ -225,7 +225,7 @@ def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
 
 
 def _evaluate_rank(rank, world, strategy, data_dir, seq):
-    from podtrain.data.loader import SampleIndex
+    from podtrain.data.samples import SampleIndex
     from podtrain.data.manifest import read_manifest
     from podtrain.train.evaluate import evaluate
 

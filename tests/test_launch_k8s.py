@@ -21,6 +21,7 @@ import yaml
 
 from cluster_fixtures import TINY_TRAINING, free_port, prepare_data, read_metrics
 from podtrain.ckpt import layout
+from podtrain.ckpt.reader import verify
 from podtrain.cli import main
 from podtrain.config import load_config
 import podtrain
@@ -307,7 +308,7 @@ def test_container_command_exits_143_after_sigterm_with_a_checkpoint_and_2_on_a_
     assert pod.returncode == 143, err[-3000:]
     step = layout.parse_step((run_dir / "ckpt" / "latest").read_text().strip())
     assert 2 <= step < 2000
-    verdict = layout.verify(run_dir / "ckpt" / layout.step_name(step))
+    verdict = verify(run_dir / "ckpt" / layout.step_name(step))
     assert verdict.ok, verdict.reason
     own = [line for line in err.splitlines() if line.startswith("podtrain:")]
     assert own == [f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} "

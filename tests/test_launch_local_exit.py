@@ -16,6 +16,7 @@ import pytest
 
 from fault_plugin.podtrain_faults import fault_env
 from podtrain.ckpt import layout
+from podtrain.ckpt.reader import verify
 
 pytestmark = pytest.mark.e2e
 
@@ -107,7 +108,7 @@ def test_a_save_longer_than_30s_after_sigterm_completes_and_exits_143(repo, tmp_
     assert code == 143, err[-3000:]
     assert took > 35, f"the launcher returned {took:.0f} s after SIGTERM: the slow save never ran"
     step = latest_step(run_dir)
-    verdict = layout.verify(run_dir / "ckpt" / layout.step_name(step))
+    verdict = verify(run_dir / "ckpt" / layout.step_name(step))
     assert verdict.ok, verdict.reason
     assert "checkpoint write of step" in out + err  # the fault fired
     assert f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} saved" in err

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from podtrain.data.loader import ShardedLoader, epoch_permutation, validation_ids
+from podtrain.data.loader import ShardedLoader
+from podtrain.data.samples import epoch_permutation, validation_ids
 from podtrain.data.manifest import read_manifest
 from podtrain.errors import UserError
 from synthetic_data import make_data_dir
@@ -116,3 +117,61 @@ def test_resume_with_another_seed_is_refused(tmp_path):
     other = ShardedLoader(data, SEQ, GLOBAL, MICRO, 0, 1, seed=6)
     with pytest.raises(UserError, match="run.seed is 6 but the checkpoint's data order was made with seed 5"):
         other.load_state_dict(state)
+
+
+def test_a_producer_stuck_in_a_slow_read_ends_once_the_read_returns(tmp_path):
+    """A slow read injected into the producer (issue 19.7): close() cannot join it, a new stream
+    starts, and the stuck producer must still end when its read returns instead of running on
+    into the orphaned queue (one stop Event shared by the streams kept it going)."""
+    import threading
+
+    ld = loader(make_data_dir(tmp_path / "d"), 0, 1)
+    ld.join_timeout_s = 0.05
+    gate, stuck, real_gather, calls = threading.Event(), threading.Event(), ld.index.gather, []
+
+    def slow_gather(ids):
+        calls.append(threading.current_thread())
+        if calls[0] is threading.current_thread() and len(calls) == 3:  # the first producer, 3rd batch
+            stuck.set()
+            gate.wait(20)
+        return real_gather(ids)
+
+    ld.index.gather = slow_gather
+    first = ld.next()
+    producer = ld._thread
+    assert stuck.wait(10)
+    ld.close()  # gives up joining after join_timeout_s: the producer is in its read
+    assert producer.is_alive()
+    second = ld.next()  # a new stream with its own producer
+    assert second.consumed == first.consumed + GLOBAL
+    gate.set()
+    producer.join(timeout=5)
+    alive = producer.is_alive()
+    ld.close()
+    assert not alive, "the first stream's producer kept running after close()"
+
+
+def test_token_ids_beyond_the_vocabulary_are_one_line_at_start_and_when_read(tmp_path):
+    """Issue 19.17: the manifest's max_token_id is checked at start; a shard changed after
+    prepare (data.verify=false skips its checksum) is named when a batch reads it, not an
+    embedding IndexError on every rank."""
+    import json
+
+    from podtrain.data.mixture import parse_mix
+    from podtrain.data.sources import DataSources
+
+    data = make_data_dir(tmp_path / "d")
+    raw = json.loads((data / "manifest.json").read_text())
+    raw["splits"]["train"]["shards"][1]["max_token_id"] = 300  # ids past the tokenizer's vocab_size
+    (data / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="train_00001.bin holds token id 300, at or above the model's vocabulary size 280"):
+        DataSources(parse_mix([], str(data)), SEQ).check_vocab(280)
+    tokens = np.fromfile(data / "train_00000.bin", dtype=np.uint16)
+    tokens[40] = 1000
+    tokens.tofile(data / "train_00000.bin")
+    sources = DataSources(parse_mix([], str(data)), SEQ)
+    sources.check_vocab(320)
+    sources.indexes[0].gather(np.arange(2))  # samples before the changed token read fine
+    with pytest.raises(UserError, match="train_00000.bin holds token id 1000, at or above the model's "
+                                        "vocabulary size 320; its manifest says at most 255"):
+        sources.indexes[0].gather(np.arange(5))

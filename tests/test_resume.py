@@ -22,8 +22,8 @@ from torch import nn
 
 from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
-from podtrain.ckpt.reader import read_checkpoint
-from podtrain.ckpt.tensorio import read_safetensors
+from podtrain.ckpt.reader import load_latest_weights, read_checkpoint, verify
+from podtrain.storage.posix import PosixStore
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext
@@ -47,7 +47,7 @@ def _saver(run_dir: str, report_fd: int) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     ck = Checkpointer(Path(run_dir), CkptSection(keep_last=2, keep_every=0), _ctx())
     state = ck.restore(net, opt, None)
-    step = state["step"] if state else 0
+    step = state.step if state else 0
     os.write(report_fd, b"ready\n")
     while True:
         step += 1
@@ -65,18 +65,19 @@ def _saver(run_dir: str, report_fd: int) -> None:
 
 def _check_choice(root: Path, durable: int) -> int:
     """The resume choice is complete and consistent, and no older than the last durable save."""
-    for _, path in layout.list_checkpoints(root):  # a step_* name only ever holds a whole one
-        assert layout.verify(path).ok, f"{path} is named like a checkpoint but is not complete"
-    choice = layout.find_latest_valid(root)
-    if choice.path is None:
+    for _, path in layout.list_checkpoints(root):  # a committed step only ever holds a whole one
+        assert verify(path).ok, f"{path} has a manifest but is not complete"
+    store = PosixStore(str(root))
+    choice = layout.find_latest(store)
+    if choice.name is None:
         assert durable == 0
         return 0
-    data = read_checkpoint(choice.path, choice.manifest)
+    data = read_checkpoint(store, choice.name, choice.manifest)
     step = choice.step
     assert step >= durable, f"chose step {step}, but step {durable} was reported durable"
     assert all(torch.equal(t, torch.full_like(t, float(step))) for t in data.model_state.values())
     assert data.state["train_state"]["step"] == step
-    adam_steps = {float(s["step"]) for s in data.state["optimizer"]["state"].values()}
+    adam_steps = {float(t) for k, t in data.optimizer.items() if k.endswith(".step")}
     assert len(adam_steps) == 1  # optimizer state from one moment, never torn
     return step
 
@@ -84,6 +85,7 @@ def _check_choice(root: Path, durable: int) -> int:
 def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
     warm = torch.optim.AdamW(_net().parameters())  # first use imports torch._dynamo: not per child
     warm.step()
+    from torch.distributed.checkpoint import state_dict  # noqa: F401  (imported once, not per child)
     rng = random.Random(1234)
     ctx = mp.get_context("fork")
     durable, chosen = 0, []
@@ -165,7 +167,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return read_safetensors(run_dir / "ckpt" / layout.step_name(STEPS) / "model.safetensors")
+    return load_latest_weights(run_dir)[1]
 
 
 @pytest.fixture(scope="module")

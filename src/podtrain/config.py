@@ -20,6 +20,7 @@ from typing import Any, Union
 import yaml
 
 from podtrain.config_sections import RunConfig
+from podtrain.data.mixture import parse_mix
 from podtrain.errors import UserError
 
 
@@ -29,7 +30,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.implementation": ("auto", "fused", "foreach"),
     "log.progress": ("auto", "rich", "plain", "off"),
     "dist.backend": ("auto", "nccl", "gloo"),
-    "ckpt.format": ("safetensors", "dcp"),
     "model.memory_check": ("error", "warn", "off"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "dist.strategy": ("ddp", "fsdp", "hsdp"),
@@ -39,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # Keys whose change between a checkpoint and its resume changes what is being trained: refused
 # unless listed in ckpt.allow_changes (data.tokenizer is the data manifest's, not a config key).
-MATH_KEYS: tuple[str, ...] = ("model.preset", "model.vocab_size", "data.path", "data.seq_len",
+MATH_KEYS: tuple[str, ...] = ("model.preset", "model.vocab_size", "data.path", "data.mix", "data.seq_len",
                               "data.tokenizer", "train.global_batch_size", "run.seed")
 
 
@@ -127,7 +127,16 @@ def _closest(key: str) -> str:
     return match[0] if match else ""
 
 
+# Keys that existed once: naming one is a one-line error saying what replaced it.
+REMOVED_KEYS: dict[str, str] = {
+    "ckpt.format": "every run now writes the one checkpoint layout (each rank its own pieces); "
+                   "delete the key",
+}
+
+
 def _set(cfg: RunConfig, key: str, value: Any) -> None:
+    if key in REMOVED_KEYS:
+        raise UserError(f"config key {key!r} was removed: {REMOVED_KEYS[key]}")
     parts = key.split(".")
     if len(parts) != 2:
         raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
@@ -231,6 +240,7 @@ def validate(cfg: RunConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"config key {key!r} must not be negative, got {value}")
+    parse_mix(cfg.data.mix, cfg.data.path)  # each data.mix entry: path, positive weight, unique name
     if cfg.optim.min_lr > cfg.optim.lr:
         raise UserError(f"config key 'optim.min_lr' ({cfg.optim.min_lr}) exceeds 'optim.lr' ({cfg.optim.lr})")
     if cfg.train.global_batch_size % cfg.train.micro_batch_size:

@@ -7,6 +7,7 @@ key table is generated from the docstrings here (``config_reference.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -38,7 +39,12 @@ class DataSection:
     """Token shards and how samples are cut from them."""
 
     path: str = "data/builtin"
-    """Directory made by ``podtrain prepare`` (holds manifest.json)."""
+    """Directory made by ``podtrain prepare`` (holds manifest.json); the one source when data.mix
+    is empty."""
+    mix: list[dict[str, Any]] = field(default_factory=list)
+    """Weighted sources instead of data.path: a list of {path, weight, name} (name defaults to
+    the folder's name), all prepared with one tokenizer. Blended deterministically by weight;
+    each source keeps its own exactly-once order per epoch."""
     seq_len: int = 256
     """Tokens per training sequence (each sample reads seq_len + 1 tokens: inputs and targets)."""
     prefetch: int = 4
@@ -119,7 +125,7 @@ class EvalSection:
 
 @dataclass
 class CkptSection:
-    """Checkpoints under RUN_DIR/ckpt/ (rank 0 writes, every rank reads)."""
+    """Checkpoints under RUN_DIR/ckpt/ (every rank writes and reads its own share)."""
 
     every: int | str = 100
     """Save every N steps and at the end; 0 saves only at the end; auto picks N from the measured
@@ -127,17 +133,15 @@ class CkptSection:
     mtbf_h: float = 24.0
     """ckpt.every=auto: expected hours between failures of the whole job."""
     allow_changes: list[str] = field(default_factory=list)
-    """Keys that alter the math (model.*, data.path, data.seq_len, data.tokenizer,
-    train.global_batch_size, run.seed) allowed to differ from the checkpoint's on resume."""
+    """Keys that alter the math (model.*, data.path, data.mix, data.seq_len, data.tokenizer,
+    train.global_batch_size, run.seed) allowed to differ from the checkpoint's on resume (data.mix:
+    the run continues from its token ledger with the new weights)."""
     keep_last: int = 3
     """Keep the newest K checkpoints; 0 keeps all."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of N, forever; 0 disables."""
     async_save: bool = True
     """Write in a background thread: the step loop only pays for a copy to host memory."""
-    format: str = "safetensors"
-    """safetensors (rank 0 writes one folder) or dcp (torch.distributed.checkpoint, all ranks);
-    fsdp/hsdp runs always write sharded checkpoints (every rank its own pieces)."""
     resume: str = "auto"
     """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the run's newest weights and tokenizer, generate, print the text."""
     from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
     from podtrain.data.manifest import read_manifest
+    from podtrain.data.mixture import primary_path
     from podtrain.data.tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-run must be 0 (off) or more, got {args.max_run}")
     ckpt = load_latest(args.run_dir)
     run_config = run_config_of(args.run_dir, ckpt)
-    data = Path(args.data or (run_config.get("data") or {}).get("path", ""))
+    section = run_config.get("data") or {}
+    data = Path(args.data or primary_path(section.get("mix") or [], section.get("path", "")))
     if not (data / "manifest.json").is_file():
         raise UserError(f"tokenizer not found: {data} (the run's data.path) has no manifest.json; "
                         "pass --data DATA_DIR")

@@ -1,21 +1,16 @@
-"""Checkpoints: atomic, checksummed, pickle-free, written in the background; auto-resume.
+"""Checkpoints: one layout for every strategy and world size, written by every rank in the
+background, verified as each rank reads its share; auto-resume with a collective fallback.
 
 Each module has one job (import them directly; this package re-exports nothing):
 
-* ``checkpointer``: ``Checkpointer``, what the training loop uses: restore (rank 0 decides, every
-  rank loads), ``should_save``, ``save`` (host snapshot, then background write), ``wait``, ``close``.
-* ``writer``: the background writer thread and the write paths (rank-0 safetensors, DCP shards),
-  the manifest, the rename into place, ``latest`` and retention.
-* ``host_buffers``: the host staging budget (``ckpt.host_staging_mb``) and its pool of reused
-  (pinned on GPUs) slabs.
-* ``staging``: one save's tensor bytes streamed from the step loop to the writer through the pool.
-* ``streamed_load``: resume tensor by tensor, each read straight into its parameter or optimizer
-  state tensor.
-* ``reader``: reading a checkpoint whole without a process group (``sample``, ``export``):
-  ``load_latest``, ``load_latest_weights``, ``run_config_of``, ``build_model_from_checkpoint``.
-* ``tensorio``: write a safetensors file in one streaming pass that also computes its SHA-256;
-  index a file's tensors and read one straight into its destination.
-* ``state``: optimizer / RNG / train state <-> JSON plus named tensors (nothing is pickled).
-* ``layout``: directory and file names, the manifest, validation, the choice of the newest valid
-  checkpoint, retention.
+* ``checkpointer``: ``Checkpointer`` (restore -> ``ResumeState``, save, failed, wait, close).
+* ``plan``: who writes and who reads which flat ranges (pure), block CRC-32s.
+* ``statedict``: the state by parameter name through torch's public state-dict API.
+* ``writer``: the background writer thread, each rank's piece file, rank 0's manifest and ``latest``.
+* ``load``: each rank reads and verifies its share, then the ranks exchange the rest.
+* ``staging`` + ``host_buffers``: bounded host staging, side-stream device-to-host copies.
+* ``store``: the I/O seam (``podtrain.storage``: a directory today, other tiers later).
+* ``reader``: offline reads (``sample``, ``export``, ``verify``); ``layout``: names, manifest, choice,
+  retention; ``tensorio``: the piece file format; ``state``: plain-JSON encoding; ``interval``:
+  ``ckpt.every=auto``.
 """

@@ -1,45 +1,38 @@
-"""Checkpoints: atomic, checksummed, pickle-free, written in the background; auto-resume.
+"""Checkpoints: one layout for every strategy and world size, written by every rank in the
+background, verified as they are read; auto-resume with a collective fallback.
 
 ``Checkpointer`` is what the training loop uses::
 
-    ckpt = Checkpointer(run_dir, cfg.ckpt, ctx)          # every rank
-    state = ckpt.restore(model, optimizer, scaler)        # every rank; None: start fresh
-    ...
+    ckpt = Checkpointer(run_dir, cfg.ckpt, ctx)            # every rank
+    state = ckpt.restore(model, optimizer, scaler)          # every rank; a ResumeState, or None
+    ...                                                     # the loop applies state (step, data, rng)
     if ckpt.should_save(step, total):
         ckpt.save(step, model, optimizer, scaler, train_state)   # every rank, same step
-    ...
-    ckpt.close()                                           # every exit path
+    if ckpt.failed: ckpt.wait()                             # raises SaveFailed (agreed at a step boundary)
+    ckpt.close()                                            # every exit path
 
-What a checkpoint holds (``podtrain.ckpt.layout`` shows the files): the unwrapped model weights;
-the optimizer state (tensors in safetensors, structure in JSON); the GradScaler state (fp16);
-every rank's RNG states (Python, numpy, torch CPU, the rank's GPU); the loop's ``train_state``
-(step, tokens seen, loader position, metrics run id, resolved config) plus podtrain's version and
-the world size; the transformers model config. Nothing is pickled: a directory holding a pickle
-file is refused with a ``UserError`` before any of it is read.
+What a checkpoint holds (``podtrain.ckpt.layout`` shows the files): the unwrapped model weights
+and the optimizer state by parameter NAME (``podtrain.ckpt.statedict``), the GradScaler state,
+every rank's RNG states, the loop's train state, the model config. Nothing is pickled.
 
-Saving: ``save`` hands the job to the background writer (``podtrain.ckpt.writer``: who writes
-which file, with which collectives), then copies what this rank writes into the reused host slabs
-of a ``StagingPool`` (``podtrain.ckpt.host_buffers``, at most ``ckpt.host_staging_mb``), which the
-writer drains as they fill (``podtrain.ckpt.staging``); the copies are the step loop's stall, plus
-writing time when this rank's share exceeds the budget. A second ``save`` first waits for the
-first. After a save, rank 0 applies retention (``ckpt.keep_last``, ``ckpt.keep_every``).
+Saving: every rank computes the same plan of who writes what (``podtrain.ckpt.plan``: FSDP/HSDP
+shards by their holder, whole tensors split ~1/N per rank), copies its share into the host slabs
+of its ``StagingPool`` (on a GPU on a side stream that only the next optimizer step waits for:
+``staging.CopyFence``) and the background writer streams them into its own file; rank 0 commits
+the manifest and then ``latest`` (``podtrain.ckpt.writer``). A failed save (no space...) removes
+its files and fails every rank's job alike: the loop stops at the next step boundary.
 
-Resuming: rank 0 alone looks at the file system (ranks on a shared file system can disagree about
-what exists), picks the newest complete checkpoint whose checksums hold (warning with the name of
-each one it skips) and broadcasts the choice; every rank then loads it (``podtrain.ckpt.reader``)
-and the ranks agree on success before anyone continues. Loading goes tensor by tensor
-(``podtrain.ckpt.streamed_load``): each tensor's bytes go straight from the file into its
-parameter or optimizer state tensor, so no rank holds a second copy of the checkpoint.
-
-FSDP/HSDP runs (``podtrain.ckpt.sharded``): every rank writes its own shards (manifest layout
-``sharded``), and a resume at any world size or under any strategy reads only the pieces each
-rank holds; a DDP checkpoint continues under FSDP and a sharded one under DDP.
+Resuming: rank 0 alone lists the checkpoints and picks the newest whose manifest is complete and
+whose files have their sizes (no data read) and broadcasts the manifest; every rank then reads and
+verifies only its share (``podtrain.ckpt.load``). When any rank finds a bad block, all ranks learn
+it (one all_gather) and fall back to the previous checkpoint together.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,38 +40,63 @@ import torch
 from torch import nn
 
 from podtrain import __version__
-from podtrain.ckpt import layout, sharded
+from podtrain.ckpt import layout
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
-from podtrain.ckpt.staging import SaveStream
+from podtrain.ckpt.load import finish, prepare, read
 from podtrain.ckpt.reader import peek_train_state
-from podtrain.ckpt.state import capture_rng, restore_rng, to_plain
-from podtrain.ckpt.streamed_load import load_into
-from podtrain.ckpt.writer import CheckpointWriter, SaveJob, dcp_shard_name, plan_files
+from podtrain.ckpt.staging import CopyFence, SaveStream
+from podtrain.ckpt.state import capture_rng, to_plain
+from podtrain.ckpt.statedict import is_dtensor, local_pieces, named_state
+from podtrain.ckpt.store import StorageError, open_store
+from podtrain.ckpt.tensorio import CorruptCheckpoint
+from podtrain.ckpt.writer import CheckpointWriter, SaveFailed, SaveJob, tensor_table
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
-from podtrain.model import is_sharded, unwrap
+from podtrain.model import unwrap
 
 # The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
 
 
+@dataclass
+class ResumeState:
+    """What a restore hands back for the loop to apply (the checkpointer mutates only the model,
+    the optimizer and the scaler, which it was given)."""
+
+    path: str
+    step: int
+    tokens_seen: int = 0
+    run_id: str | None = None
+    loader: dict[str, Any] | None = None
+    """The data position (``ShardedLoader.load_state_dict``)."""
+    rng: dict[str, Any] | None = None
+    """This rank's RNG states (``state.restore_rng``); None when the world size changed."""
+    saved_world_size: int = 0
+    train_state: dict[str, Any] = field(default_factory=dict)
+    """Everything the loop saved (config, tokenizer, ...)."""
+
+
 class Checkpointer:
     """Save, resume and retention for one run directory (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, cfg: CkptSection, ctx: DistContext) -> None:
-        """Every rank constructs one (it creates the background gloo group collectively)."""
+    def __init__(self, run_dir: Path, cfg: CkptSection, ctx: DistContext, store=None) -> None:
+        """Every rank constructs one (it creates the background gloo group collectively).
+        ``store``: where checkpoints live (default ``RUN_DIR/ckpt``; see ``podtrain.ckpt.store``)."""
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / layout.CKPT_SUBDIR
+        self.store = store if store is not None else open_store(str(self.run_dir / layout.CKPT_SUBDIR))
         self.cfg = cfg
         self.ctx = ctx
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
         self._pool = StagingPool(budget, pin=ctx.is_cuda)
-        self._writer = CheckpointWriter(self.root, cfg, ctx)
+        self._fence = CopyFence(ctx.device)
+        self._writer = CheckpointWriter(self.store, cfg, ctx)
         self._pending: SaveJob | None = None
         self._last_step: int | None = None
         self.skipped: list[tuple[str, str]] = []
-        """Checkpoints the last ``restore`` passed over (path, reason), on rank 0."""
+        """Checkpoints the last ``restore`` passed over (name, reason), on rank 0."""
+        self.bytes_read = 0
+        """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
 
     @property
     def last_save(self) -> dict[str, float]:
@@ -88,44 +106,104 @@ class Checkpointer:
     # -- resume --------------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
-                resume: str | None = None) -> dict | None:
-        """Load the checkpoint ``cfg.resume`` designates into every rank; None: start fresh.
+                resume: str | None = None) -> ResumeState | None:
+        """Load the checkpoint ``cfg.resume`` designates into the model, optimizer and scaler on
+        every rank and return the rest as a ``ResumeState``; None: start fresh.
 
-        Every rank calls. Rank 0 chooses (and cleans temporary directories of killed saves) and
-        broadcasts; every rank loads weights into the unwrapped model, the optimizer state, the
-        scaler, and its own RNG states when the world size is the one that saved; then the ranks
-        agree that all of them succeeded. Returns the saved ``train_state`` (with ``version`` and
-        ``world_size`` added). ``check(saved train_state, step, path)`` runs on every rank before
-        anything is loaded (it may refuse); ``resume`` overrides ``cfg.resume`` (a rollback).
+        Rank 0 chooses and broadcasts; ``check(saved train_state, step, path)`` runs on every
+        rank before anything is loaded (it may refuse); each rank reads and verifies its share;
+        when any rank's bytes fail their checks, every rank falls back to the previous checkpoint
+        (under ``auto``; an explicit ``ckpt.resume`` path is refused instead). ``resume``
+        overrides ``cfg.resume`` (a rollback).
         """
-        choice = self._rank0_decides(lambda: self._choose(resume or self.cfg.resume))
-        if choice is None:
-            log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", self.cfg.resume)
-            return None
-        path, manifest = Path(choice["path"]), choice["manifest"]
-        if check is not None:
-            check(choice["train_state"], int(manifest["step"]), str(path))
-        t0 = time.perf_counter()
-        # Two phases, each agreed: what a rank checks alone (its files, the checkpoint's names
-        # against this model), then the load, which is collective for sharded checkpoints
-        # (dcp.load): no rank enters it while another has already failed.
-        loaded = self._agreed(path, lambda: self._prepare(path, manifest, model, optimizer))
-        train_state = self._agreed(path, lambda: self._load(path, manifest, loaded, model, optimizer, scaler))
-        self._last_step = int(manifest["step"])
-        log.info("resumed from %s (step %d) in %.1f s", path, self._last_step, time.perf_counter() - t0)
-        return train_state
+        resume = resume or self.cfg.resume
+        failed: set[str] = set()
+        while True:
+            choice = self._rank0_decides(lambda: self._choose(resume, failed))
+            if choice is None:
+                log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", resume)
+                return None
+            state = self._load(choice, model, optimizer, scaler, check)
+            if state is not None:
+                return state
+            if resume != "auto":
+                raise UserError(f"ckpt.resume={resume}: checkpoint {choice['where']} is corrupted (see above)")
+            failed.add(choice["name"])
 
-    def _choose(self, resume: str) -> dict | None:
-        """Rank 0: clean up killed saves, then pick the checkpoint to resume from."""
-        removed = layout.clean_stale(self.root)
-        if removed:
-            log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.root, ", ".join(removed))
-        choice = layout.resolve_resume(self.run_dir, resume)
-        self.skipped = choice.skipped
-        if choice.path is None:
+    def _store_of(self, choice: dict) -> Any:
+        return self.store if choice["root"] is None else open_store(choice["root"])
+
+    def _load(self, choice: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler | None, check: Callable | None) -> ResumeState | None:
+        """Every rank: load one checkpoint; None when some rank found it corrupted (all agree)."""
+        store, name, manifest, where = self._store_of(choice), choice["name"], choice["manifest"], choice["where"]
+        step = int(manifest["step"])
+        if check is not None:
+            check(choice["train_state"], step, where)
+        t0 = time.perf_counter()
+        net = unwrap(model)
+        plan = self._agreed(where, lambda: prepare(store, name, manifest, net, optimizer,
+                                                   self.ctx.rank, self.ctx.world_size))
+        problem = None
+        try:
+            self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
+        except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        reports = self.ctx.all_gather_object(problem)
+        bad = [(r, p) for r, p in enumerate(reports) if p]
+        if bad:
+            rank, why = bad[0]
+            log.warning("checkpoint %s failed its checks on %d rank(s) (rank %d: %s): every rank falls "
+                        "back to the previous checkpoint", where, len(bad), rank, why)
             return None
-        return {"path": str(choice.path), "manifest": choice.manifest,
-                "train_state": peek_train_state(choice.path)}
+        raw = self._agreed(where, lambda: finish(plan, net, optimizer, self._writer.group))
+        if scaler is not None and raw.get("scaler"):
+            scaler.load_state_dict(raw["scaler"])
+        self._last_step = step
+        rngs = raw.get("rng") or []
+        if len(rngs) != self.ctx.world_size and self.ctx.is_main:
+            log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
+                        "restored (data order depends only on the seed and the loader position)",
+                        where, len(rngs), self.ctx.world_size)
+        ts = raw.get("train_state") or {}
+        log.info("resumed from %s (step %d) in %.1f s, %.1f MB read by this rank", where, step,
+                 time.perf_counter() - t0, self.bytes_read / 1e6)
+        return ResumeState(path=where, step=int(ts.get("step", step)), tokens_seen=int(ts.get("tokens_seen", 0)),
+                           run_id=ts.get("run_id"), loader=ts.get("loader"),
+                           rng=rngs[self.ctx.rank] if len(rngs) == self.ctx.world_size else None,
+                           saved_world_size=len(rngs), train_state=ts)
+
+    def _choose(self, resume: str, failed: set[str]) -> dict | None:
+        """Rank 0: clean up unfinished saves, then pick the checkpoint (manifest + sizes only)."""
+        removed = layout.clean_stale(self.store)
+        if removed:
+            log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
+        store, root = self.store, None
+        if resume == "never":
+            if layout.committed_steps(store):
+                log.warning("ckpt.resume=never: starting fresh although %s holds checkpoints "
+                            "(later saves move newer ones to %s/)", store.url, layout.ABANDONED)
+            return None
+        if resume != "auto":
+            store, name = _explicit(resume)
+            root = store.url
+            if name is not None:
+                manifest, reason = layout.check(store, name)
+                if manifest is None:
+                    raise UserError(f"ckpt.resume={resume}: checkpoint is not usable: {reason}")
+                return self._choice(store, root, name, manifest)
+        choice = layout.find_latest(store, failed)
+        self.skipped = choice.skipped
+        if choice.name is None:
+            if resume != "auto":
+                raise UserError(f"ckpt.resume={resume}: no valid checkpoint in {store.url}")
+            return None
+        return self._choice(store, root, choice.name, choice.manifest)
+
+    @staticmethod
+    def _choice(store, root: str | None, name: str, manifest: dict) -> dict:
+        return {"root": root, "name": name, "manifest": manifest, "where": f"{store.url}/{name}",
+                "train_state": peek_train_state(store, name, manifest)}
 
     def _rank0_decides(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
@@ -140,15 +218,14 @@ class Checkpointer:
                 if not self.ctx.initialized:
                     raise
                 log.exception("checkpoint decision failed on rank 0")
-        outcome = self.ctx.broadcast_object(outcome)
-        kind, value = outcome
+        kind, value = self.ctx.broadcast_object(outcome)
         if kind == "user":
             raise UserError(value)
         if kind == "bug":
             raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
         return value
 
-    def _agreed(self, path: Path, fn: Callable[[], Any]) -> Any:
+    def _agreed(self, where: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
         failure, result = None, None
         try:
@@ -157,41 +234,10 @@ class Checkpointer:
             failure = exc
         self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
         if isinstance(failure, UserError):
-            raise UserError(f"resuming from {path} failed: {failure}") from None
+            raise UserError(f"resuming from {where} failed: {failure}") from None
         if failure is not None:
             raise failure
         return result
-
-    def _prepare(self, path: Path, manifest: dict, model: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> sharded.ShardedLoad | None:
-        """Every rank alone, no collective: check what it will read.
-
-        Rank 0 verified every file's SHA-256 when it chose; the others check their own view of
-        shared storage against rank 0's manifest (a stale cache would train another model). A
-        sharded load is planned here (names checked, targets allocated); None: a whole-tensor load."""
-        if not self.ctx.is_main:
-            layout.check_files(path, manifest)
-        if sharded.applies(unwrap(model), manifest):  # an FSDP/HSDP run, or a checkpoint of one
-            return sharded.prepare(path, manifest, unwrap(model), optimizer)
-        return None
-
-    def _load(self, path: Path, manifest: dict, loaded: sharded.ShardedLoad | None, model: nn.Module,
-              optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> dict:
-        """Every rank: read the chosen checkpoint (files named by rank 0's manifest) and apply it."""
-        if loaded is not None:
-            state = sharded.load(loaded, path, manifest, unwrap(model), optimizer, self._pool)
-        else:
-            state = load_into(path, manifest, unwrap(model), optimizer, self._pool)
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        rngs = state.get("rng") or []
-        if len(rngs) == self.ctx.world_size:
-            restore_rng(rngs[self.ctx.rank], self.ctx.device)
-        elif self.ctx.is_main:
-            log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
-                        "restored (data order depends only on the seed and the loader position)",
-                        path, len(rngs), self.ctx.world_size)
-        return state["train_state"]
 
     # -- save ----------------------------------------------------------------------------------
     def should_save(self, step: int, last_step: int) -> bool:
@@ -200,11 +246,9 @@ class Checkpointer:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None, train_state: dict) -> None:
-        """Snapshot to host memory now, write in the background (every rank calls, same step).
-
-        Saving the step that was just saved (a stop signal right after a scheduled save) does
-        nothing: nothing changed in between.
-        """
+        """Copy this rank's share to host memory now, write it in the background (every rank, same
+        step). Saving the step that was just saved (a stop signal right after a scheduled save)
+        does nothing."""
         if step == self._last_step:
             log.info("step %d is already checkpointed", step)
             return
@@ -215,7 +259,8 @@ class Checkpointer:
         self._pending = job
         self._writer.submit(job)  # first: the writer drains slabs while the copies fill them
         if job.stream is not None:
-            job.stream.produce(self.ctx.device)
+            job.stream.produce(self.ctx.device, self._fence)
+        self._fence.hold_optimizer(optimizer)  # GPU: the next optimizer step waits on the copies
         job.stall_s = time.perf_counter() - t0
         log.info("checkpoint step %d: step loop stalled %.3f s (host copy)%s, writing in the %s",
                  step, job.stall_s, f" + {waited:.2f} s for the previous save" if waited > 0.01 else "",
@@ -225,54 +270,46 @@ class Checkpointer:
 
     def _snapshot(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                   scaler: torch.amp.GradScaler | None, train_state: dict) -> SaveJob:
-        """The job of this save: small state captured, the tensors this rank writes in a stream."""
+        """The job of this save: this rank's pieces in a stream; rank 0 also the small state."""
         job = SaveJob(step=step, rng=capture_rng(self.ctx.device))
         net = unwrap(model)
-        shards = is_sharded(net)  # FSDP/HSDP: every rank writes its own pieces
-        if not (self.ctx.is_main or self.cfg.format == "dcp" or shards):
-            return job
-        state_items: list[tuple[str, torch.Tensor]] = []
-        sink = lambda name, t: state_items.append((name, t))  # noqa: E731
-        optim = None if shards else to_plain(optimizer.state_dict(), sink, "optimizer")
-        job.state_plain = {
-            "optimizer": optim,
-            "scaler": (to_plain(scaler.state_dict(), sink, "scaler")
-                       if scaler is not None and scaler.is_enabled() else None),
-            "train_state": to_plain({**train_state, "version": __version__,
-                                     "world_size": self.ctx.world_size}, sink, "train_state"),
-        }
-        config = getattr(net, "config", None)
-        job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
-        if shards:
-            snap = sharded.shard_items(net, optimizer, self.ctx.rank, state_items)
-            job.layout, job.aliases, job.offsets = layout.SHARDED, snap.aliases, snap.offsets
-            job.state_plain["optimizer"] = snap.optimizer
-            files = {f"{layout.DCP_SUBDIR}/{dcp_shard_name(self.ctx.rank)}": snap.items} if snap.items else {}
-        else:
-            model_items, job.aliases = self._model_tensors(net)
-            files = plan_files(self.cfg.format, self.ctx.rank, self.ctx.world_size, model_items, state_items)
-        job.stream = SaveStream(self._pool, files) if files else None
+        named = named_state(net, optimizer)
+        pieces = local_pieces(named.tensors, self.ctx.rank, self.ctx.world_size)
+        job.pieces = [(n, start, t.numel()) for n, start, t in pieces]
+        job.strategy = "sharded" if any(is_dtensor(t) for t in named.tensors.values()) else "replicated"
+        if pieces:
+            items = [(f"{n}[{start}:{start + t.numel()}]", t) for n, start, t in pieces]
+            job.stream = SaveStream(self._pool, {layout.rank_file(self.ctx.rank): items})
+        if self.ctx.is_main:
+            sink = job.small.__setitem__
+            job.tensors = tensor_table(named.tensors)
+            job.state_plain = {
+                "aliases": named.aliases,
+                "optimizer_values": to_plain(named.values, sink, "optimizer_values"),
+                "scaler": (to_plain(scaler.state_dict(), sink, "scaler")
+                           if scaler is not None and scaler.is_enabled() else None),
+                "train_state": to_plain({**train_state, "version": __version__,
+                                         "world_size": self.ctx.world_size}, sink, "train_state"),
+            }
+            config = getattr(net, "config", None)
+            job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
         return job
 
-    def _model_tensors(self, net: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
-        """The weights to write; tied tensors (embeddings = LM head) stored once, aliased."""
-        tensors: list[tuple[str, torch.Tensor]] = []
-        aliases: dict[str, str] = {}
-        seen: dict[tuple, str] = {}
-        for name, t in net.state_dict().items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            if key in seen:
-                aliases[name] = seen[key]
-                continue
-            seen[key] = name
-            tensors.append((name, t))
-        return tensors, aliases
+    @property
+    def failed(self) -> bool:
+        """True once the save in flight has failed (on every rank alike, at slightly different
+        times: the loop agrees on it at a step boundary, then calls ``wait``, which raises)."""
+        job = self._pending
+        return job is not None and job.done.is_set() and job.error is not None
+
+    def device_stall_s(self) -> float:
+        """Seconds the optimizer step after the last save waited (on the device) for its copies,
+        once measured (CUDA events, read without blocking; 0 on the CPU and until known)."""
+        return self._fence.wait_s()
 
     def wait(self) -> float:
-        """Block until the in-flight save is durable on rank 0; seconds waited.
-
-        Raises when that save failed (on every rank: the ranks learn rank 0's outcome).
-        """
+        """Block until the in-flight save is committed; seconds waited. Raises on every rank when
+        it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint)."""
         job = self._pending
         if job is None:
             return 0.0
@@ -281,7 +318,11 @@ class Checkpointer:
         self._pending = None
         if job.error is not None:
             self._last_step = None  # that step is not on disk: saving it again must not be skipped
-            raise RuntimeError(f"checkpoint of step {job.step} failed: {job.error}") from job.error
+            if isinstance(job.error, SaveFailed):
+                steps = layout.committed_steps(self.store)
+                newest = f"{self.store.url}/{steps[-1][1]}" if steps else "none"
+                raise SaveFailed(f"{job.error}; the run stops (the newest checkpoint is still {newest})") from None
+            raise RuntimeError(str(job.error)) from job.error
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -289,5 +330,19 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._fence.release()
             self._writer.close()
             self._pool.close()
+
+
+def _explicit(resume: str) -> tuple[Any, str | None]:
+    """``ckpt.resume=PATH``: a checkpoint directory (store = its parent, name) or a run/ckpt
+    directory holding checkpoints (store, None)."""
+    path = Path(resume)
+    if (path / layout.MANIFEST).is_file():
+        return open_store(str(path.parent)), path.name
+    for candidate in (path / layout.CKPT_SUBDIR, path):
+        if layout.committed_steps(open_store(str(candidate))):
+            return open_store(str(candidate)), None
+    raise UserError(f"ckpt.resume={resume}: neither a checkpoint directory (with {layout.MANIFEST}) "
+                    "nor a run directory holding checkpoints")

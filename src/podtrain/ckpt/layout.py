@@ -1,20 +1,23 @@
-"""On-disk layout of checkpoints, the manifest, validation, and the choice of the newest valid one.
+"""On-disk layout of checkpoints, the manifest, and the choice of the checkpoint to resume from.
 
 ::
 
-    RUN_DIR/ckpt/step_000123/        one complete checkpoint (renamed into place when finished)
-        model.safetensors            weights, unwrapped names, tied copies stored once
-        state.safetensors            optimizer tensors, RNG tensors of every rank
-        state.json                   everything else, plain JSON (see ``podtrain.ckpt.checkpointer``)
-        config.json                  the transformers model config
-        dcp/*.safetensors            (format=dcp, or any fsdp/hsdp run) shards written by every
-                                     rank instead of the two .safetensors files above
-        manifest.json                written last: size and SHA-256 of every file above
-    RUN_DIR/ckpt/latest              "step_000123": the newest complete checkpoint (a hint)
-    RUN_DIR/ckpt/.tmp-step_000124-*  a save in progress (never chosen; removed at the next start)
-    RUN_DIR/ckpt/abandoned/          checkpoints from a timeline a later save superseded
+    CKPT_DIR/step_000123/              one checkpoint (the same layout for ddp, fsdp, hsdp, any world size)
+        rank_00000.safetensors         rank 0's pieces: flat ranges of tensors (podtrain.ckpt.plan)
+        rank_00001.safetensors         ... every rank that holds pieces writes its own file, in parallel
+        state.safetensors              small tensors: every rank's RNG states, scaler, train state
+        state.json                     everything else, plain JSON: train state, optimizer
+                                       hyperparameters by parameter name, tied-weight aliases
+        config.json                    the transformers model config
+        manifest.json                  written LAST by rank 0: the commit. Tensors (shape, dtype),
+                                       every file's size, every piece (offset, range, block CRC-32s)
+    CKPT_DIR/latest                    "step_000123", written after the manifest (a hint)
+    CKPT_DIR/abandoned/                checkpoints of a timeline a later save superseded
 
-Everything here runs on one process (rank 0 in a job); the callers broadcast what it decides.
+A step directory without ``manifest.json`` is a save that did not finish: never chosen, removed
+by rank 0 at the next start (and at once when the save fails). Checkpoints are committed by the
+manifest object rather than a directory rename, so the same protocol works on object storage.
+Everything here runs on one process; the callers broadcast what it decides.
 """
 
 from __future__ import annotations
@@ -23,36 +26,28 @@ import json
 import logging
 import os
 import re
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from podtrain.ckpt.store import NotFound, open_store
 from podtrain.errors import UserError
-from podtrain.fsutil import sha256_file
 
 log = logging.getLogger("podtrain.checkpoint")
 
 CKPT_SUBDIR = "ckpt"
 LATEST = "latest"
 MANIFEST = "manifest.json"
-FORMAT = "podtrain-ckpt/1"
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
+FORMAT = "podtrain-ckpt/2"
+OLD_FORMATS = {"podtrain-ckpt/1": "the podtrain-ckpt/1 layout (ckpt.format=safetensors/dcp/sharded)"}
 ABANDONED = "abandoned"
-# The files of one checkpoint directory (see the tree above).
-MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 STATE_JSON = "state.json"
 CONFIG_JSON = "config.json"
-DCP_SUBDIR = "dcp"
-# The manifest "layout" of an FSDP/HSDP checkpoint: dcp/ holds every rank's pieces (ckpt/sharded.py).
-SHARDED = "sharded"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
-# Files a checkpoint may list: safetensors and JSON only (both parsed without running code).
-_ALLOWED = re.compile(r"^(?:dcp/)?[A-Za-z0-9_.\-]+\.(?:safetensors|json)$")
-# What a pickle-based checkpoint looks like: these suffixes, or pickle / torch.save zip magic.
+# Files a checkpoint may hold: safetensors and JSON only (both parsed without running code).
+_ALLOWED = re.compile(r"^[A-Za-z0-9_.\-]+\.(?:safetensors|json)$")
 _PICKLE_SUFFIXES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".distcp", ".metadata", ".npy", ".npz"}
 _PICKLE_MAGIC = (b"\x80", b"PK\x03\x04")
 
@@ -62,134 +57,91 @@ def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def rank_file(rank: int) -> str:
+    """The piece file rank ``rank`` writes."""
+    return f"rank_{rank:05d}.safetensors"
+
+
 def parse_step(name: str) -> int | None:
-    """The step of a ``step_NNNNNN`` directory name; None for anything else (temp names)."""
+    """The step of a ``step_NNNNNN`` directory name; None for anything else."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``step_*`` directory under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
+def committed_steps(store) -> list[tuple[int, str]]:
+    """``(step, directory name)`` of every committed checkpoint (manifest present), oldest first."""
     found = []
-    for entry in root.iterdir():
-        step = parse_step(entry.name)
-        if step is not None and entry.is_dir():
-            found.append((step, entry))
+    for name in store.list_dirs(""):
+        step = parse_step(name)
+        if step is not None and store.exists(f"{name}/{MANIFEST}"):
+            found.append((step, name))
     return sorted(found)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every committed checkpoint under the directory ``root``, oldest first."""
+    return [(step, Path(root) / name) for step, name in committed_steps(open_store(str(root)))]
 
 
 class UnsafeCheckpoint(UserError):
     """The checkpoint holds a file that would have to be unpickled: refused, never opened."""
 
 
-@dataclass
-class Verdict:
-    """Outcome of validating one checkpoint directory."""
-
-    path: Path
-    ok: bool
-    reason: str = ""
-    manifest: dict[str, Any] | None = None
-
-
-def refuse_pickles(path: Path) -> None:
-    """Raise ``UnsafeCheckpoint`` when ``path`` holds a pickle / torch.save file.
-
-    Only the first bytes are read (never unpickled). safetensors and JSON files are exempt: their
-    first byte is a length or text, and they are parsed without running code.
-    """
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
+def refuse_pickles(store, name: str) -> None:
+    """Raise ``UnsafeCheckpoint`` when checkpoint ``name`` holds a pickle / torch.save file (only
+    the first bytes of files other than .safetensors/.json are read, never unpickled)."""
+    for entry in store.list(name + "/"):
+        rel = entry.name[len(name) + 1:]
         if _ALLOWED.match(rel):
             continue
-        with open(f, "rb") as fh:
-            head = fh.read(4)
-        if f.suffix.lower() in _PICKLE_SUFFIXES or head.startswith(_PICKLE_MAGIC):
+        head = store.read_range(entry.name, 0, min(4, entry.size)) if entry.size else b""
+        if os.path.splitext(rel)[1].lower() in _PICKLE_SUFFIXES or head.startswith(_PICKLE_MAGIC):
             raise UnsafeCheckpoint(
-                f"checkpoint {path} holds {rel}, a pickle/torch.save file: podtrain never unpickles "
-                "checkpoint files (unpickling can run arbitrary code); remove it or set ckpt.resume")
+                f"checkpoint {store.url}/{name} holds {rel}, a pickle/torch.save file: podtrain never "
+                "unpickles checkpoint files (unpickling can run arbitrary code); remove it or set ckpt.resume")
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Parse and sanity-check ``path/manifest.json``; ValueError says what is wrong."""
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise ValueError("no manifest.json (the save did not finish)")
+def read_manifest(store, name: str) -> dict[str, Any]:
+    """Parse checkpoint ``name``'s manifest. ValueError says what is wrong (an unfinished save, a
+    damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it."""
     try:
-        manifest = json.loads(mpath.read_text())
+        raw = store.read_bytes(f"{name}/{MANIFEST}")
+    except (FileNotFoundError, NotFound):
+        raise ValueError("no manifest.json (the save did not finish)") from None
+    try:
+        manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"manifest.json has an unknown format (expected {FORMAT!r})")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise ValueError("manifest.json lists no files")
-    for rel in files:
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if fmt in OLD_FORMATS:
+        raise UserError(f"checkpoint {store.url}/{name} has {OLD_FORMATS[fmt]}, which this podtrain no "
+                        f"longer reads (it reads {FORMAT}): resume it with the podtrain that wrote it, "
+                        "or start a new run.dir")
+    if fmt != FORMAT or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        raise ValueError(f"manifest.json is not a {FORMAT} manifest")
+    for rel in manifest["files"]:
         if not _ALLOWED.match(rel):
-            raise UnsafeCheckpoint(
-                f"checkpoint {path} lists {rel!r}: only .safetensors and .json files are accepted "
-                "(podtrain never unpickles checkpoint files: unpickling can run arbitrary code)")
+            raise UnsafeCheckpoint(f"checkpoint {store.url}/{name} lists {rel!r}: only .safetensors and "
+                                   ".json files are accepted (podtrain never unpickles checkpoint files)")
     return manifest
 
 
-def verify(path: Path) -> Verdict:
-    """Check a checkpoint: manifest present, every listed file present with its size and SHA-256.
-
-    Pickle files raise ``UnsafeCheckpoint`` instead of giving a verdict: such a directory was not
-    written by podtrain and must not be silently passed over either.
-    """
-    refuse_pickles(path)
-    try:
-        manifest = read_manifest(path)
-    except UnsafeCheckpoint:
-        raise
-    except ValueError as exc:
-        return Verdict(path, False, str(exc))
-    problem = file_problem(path, manifest)
-    if problem:
-        return Verdict(path, False, problem)
-    return Verdict(path, True, manifest=manifest)
-
-
-def file_problem(path: Path, manifest: dict[str, Any]) -> str | None:
-    """What is wrong with the files ``manifest`` lists under ``path`` (presence, size, SHA-256)."""
+def size_problem(store, name: str, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the sizes of the files the manifest lists (one listing, no data read)."""
+    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
     for rel, rec in manifest["files"].items():
-        f = path / rel
-        if not f.is_file():
+        if rel not in sizes:
             return f"{rel} is missing"
-        size = f.stat().st_size
-        if size != rec.get("bytes"):
-            return f"{rel} has {size} bytes, the manifest says {rec.get('bytes')}"
-        if sha256_file(f) != rec.get("sha256"):
-            return f"{rel} fails its SHA-256 check (corrupted)"
+        if sizes[rel] != rec.get("bytes"):
+            return f"{rel} has {sizes[rel]} bytes, the manifest says {rec.get('bytes')}"
     return None
-
-
-def check_files(path: Path, manifest: dict[str, Any]) -> None:
-    """Raise ``UserError`` unless this process reads the files ``manifest`` (another rank's) lists
-    with their SHA-256. Only reads are trusted: metadata queries (exists, is_file) of a shared file
-    system can be stale where the data is not."""
-    problem = None
-    for rel, rec in manifest["files"].items():
-        try:
-            if sha256_file(path / rel) != rec.get("sha256"):
-                problem = f"{rel} fails its SHA-256 check"
-        except FileNotFoundError:
-            problem = f"{rel} is missing"
-        if problem:
-            break
-    if problem:
-        raise UserError(f"checkpoint {path} as seen from this host: {problem} (a stale or "
-                        "different view of the shared storage than rank 0's?)")
 
 
 @dataclass
 class Choice:
     """Which checkpoint to resume from (None: start fresh) and which ones were passed over."""
 
-    path: Path | None = None
+    name: str | None = None
     manifest: dict[str, Any] | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
@@ -199,66 +151,59 @@ class Choice:
         return None if self.manifest is None else int(self.manifest["step"])
 
 
-def find_latest_valid(root: Path) -> Choice:
-    """The newest complete, checksum-valid checkpoint under ``root``; warns naming each skipped one.
+def check(store, name: str) -> tuple[dict[str, Any] | None, str]:
+    """``(manifest, "")`` when checkpoint ``name`` is committed with every file at its size, else
+    ``(None, reason)``. Reads the manifest and one listing: cheap at any checkpoint size (the
+    data's checksums are verified by each rank as it loads its share)."""
+    refuse_pickles(store, name)
+    try:
+        manifest = read_manifest(store, name)
+    except ValueError as exc:
+        return None, str(exc)
+    problem = size_problem(store, name, manifest)
+    return (None, problem) if problem else (manifest, "")
 
-    The newest by step wins over ``latest``: a kill between the rename and the pointer update
-    leaves the pointer one behind, and the renamed directory is complete.
-    """
+
+def find_latest(store, exclude: set[str] = frozenset()) -> Choice:
+    """The newest committed checkpoint whose files have their sizes (``exclude``: names that
+    failed to load); warns naming each one skipped. The newest by step wins over ``latest``: a kill
+    between the manifest and the pointer leaves the pointer one behind."""
     choice = Choice()
-    for _, path in reversed(list_checkpoints(root)):
-        verdict = verify(path)
-        if verdict.ok:
-            choice.path, choice.manifest = path, verdict.manifest
+    steps = [(s, n) for s, n in _step_dirs(store)]
+    for _, name in reversed(steps):
+        if name in exclude:
+            choice.skipped.append((name, "failed to load"))
+            continue
+        manifest, reason = check(store, name)
+        if manifest is not None:
+            choice.name, choice.manifest = name, manifest
             return choice
-        log.warning("skipping checkpoint %s: %s", path, verdict.reason)
-        choice.skipped.append((str(path), verdict.reason))
+        if reason.startswith("no manifest"):
+            continue  # an unfinished save (removed at the start): not worth a warning
+        log.warning("skipping checkpoint %s/%s: %s", store.url, name, reason)
+        choice.skipped.append((name, reason))
     return choice
 
 
-def resolve_resume(run_dir: Path, resume: str) -> Choice:
-    """Apply ``ckpt.resume``: auto (newest valid in the run), never, or an explicit path."""
-    root = run_dir / CKPT_SUBDIR
-    if resume == "never":
-        if list_checkpoints(root):
-            log.warning("ckpt.resume=never: starting fresh although %s holds checkpoints "
-                        "(later saves move newer ones to %s/)", root, ABANDONED)
-        return Choice()
-    if resume == "auto":
-        return find_latest_valid(root)
-    path = Path(resume)
-    if (path / MANIFEST).is_file():
-        verdict = verify(path)
-        if not verdict.ok:
-            raise UserError(f"ckpt.resume={resume}: checkpoint is not usable: {verdict.reason}")
-        return Choice(path=path, manifest=verdict.manifest)
-    for candidate in (path / CKPT_SUBDIR, path):
-        if list_checkpoints(candidate):
-            choice = find_latest_valid(candidate)
-            if choice.path is None:
-                raise UserError(f"ckpt.resume={resume}: no valid checkpoint in {candidate}")
-            return choice
-    raise UserError(f"ckpt.resume={resume}: neither a checkpoint directory (with {MANIFEST}) "
-                    "nor a run directory holding checkpoints")
+def _step_dirs(store) -> list[tuple[int, str]]:
+    return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a directory so it vanishes at once: rename to a trash name, then remove."""
-    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def clean_stale(root: Path) -> list[str]:
-    """Remove temporary and trash directories left by a killed save or deletion."""
+def clean_stale(store) -> list[str]:
+    """Remove unfinished saves (step directories without a manifest) and temporary leftovers."""
     removed = []
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry.name)
+    for name in store.list_dirs(""):
+        if parse_step(name) is not None and not store.exists(f"{name}/{MANIFEST}"):
+            store.delete_prefix(name + "/")  # temporaries of its killed writers included
+            removed.append(name)
     return removed
+
+
+def remove(store, name: str) -> None:
+    """Delete checkpoint ``name``: its manifest first, so that a kill mid-way (a store deletes file
+    by file) leaves an unfinished save, never a committed checkpoint with files missing."""
+    store.delete(f"{name}/{MANIFEST}")
+    store.delete_prefix(name + "/")
 
 
 def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: int) -> tuple[list[int], list[int]]:
@@ -278,16 +223,27 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
     return [s for s in mine if s not in keep], abandon
 
 
-def apply_retention(root: Path, current: int, keep_last: int, keep_every: int) -> None:
-    """Carry out ``retention_plan`` after saving ``current``: delete, or move to ``abandoned/``."""
-    complete = [s for s, p in list_checkpoints(root) if (p / MANIFEST).is_file()]
+def apply_retention(store, current: int, keep_last: int, keep_every: int) -> None:
+    """Carry out ``retention_plan`` after saving ``current``: delete, or move to ``abandoned/``
+    (a rename on a POSIX store; elsewhere, deleted with a warning)."""
+    complete = [s for s, _ in committed_steps(store)]
     delete, abandon = retention_plan(complete, current, keep_last, keep_every)
     for step in abandon:
-        src = root / step_name(step)
-        dst = root / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
+        src = store.local_path(step_name(step))
+        if src is None:
+            log.warning("deleting %s/%s (newer than this run's step %d, from an earlier timeline)",
+                        store.url, step_name(step), current)
+            remove(store, step_name(step))
+            continue
+        dst = src.parent / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
         dst.parent.mkdir(exist_ok=True)
         log.warning("moving %s (newer than this run's step %d, from an earlier timeline) to %s",
                     src, current, dst)
         os.rename(src, dst)
     for step in delete:
-        remove_tree(root / step_name(step))
+        remove(store, step_name(step))
+
+
+def write_latest(store, name: str) -> None:
+    """Point ``latest`` at checkpoint ``name`` (after its manifest)."""
+    store.write_bytes(LATEST, (name + "\n").encode())

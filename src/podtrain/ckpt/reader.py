@@ -1,11 +1,11 @@
 """Reading checkpoints whole, without a process group: ``sample``, ``export``, tests.
 
-(A resume loads tensor by tensor instead: ``podtrain.ckpt.streamed_load``.)
+(A resume reads only each rank's share instead: ``podtrain.ckpt.load``.)
 
-``read_checkpoint`` turns a validated checkpoint directory into a ``CheckpointData`` (weights,
-decoded state, model config); ``load_latest`` finds a run's newest valid checkpoint first (a
-directory holding a pickle file is refused with a ``UserError`` before any of it is read).
-``build_model_from_checkpoint`` gives the transformers model it holds, ready to generate.
+``read_checkpoint`` puts every tensor of a checkpoint together from its pieces (whatever strategy
+and world size wrote it), checking every block's CRC-32; ``load_latest`` finds a run's newest
+checkpoint first (a directory holding a pickle file is refused with a ``UserError`` before any of
+it is read). ``build_model_from_checkpoint`` gives the transformers model it holds.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from podtrain.ckpt import layout
+from podtrain.ckpt.load import piece_index, read_small
 from podtrain.ckpt.state import from_plain
-from podtrain.ckpt.tensorio import read_dcp_folder, read_safetensors
+from podtrain.ckpt.store import StorageError, open_store
+from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, verify_blocks
 from podtrain.errors import UserError
 
 
@@ -34,42 +36,57 @@ class CheckpointData:
     model_state: dict[str, torch.Tensor]
     """Weights by unwrapped name, tied names included."""
     state: dict[str, Any]
-    """Decoded state.json: optimizer, scaler, rng (per rank), train_state, aliases."""
+    """Decoded state.json: scaler, rng (per rank), train_state, optimizer values."""
     model_config: dict[str, Any] | None
     """The transformers model config (config.json), when the model had one."""
+    optimizer: dict[str, torch.Tensor] | None = None
+    """The optimizer's tensors by flattened name (``state.<param>.exp_avg``)."""
 
 
-def read_checkpoint(path: Path, manifest: dict) -> CheckpointData:
-    """Read a validated checkpoint directory (files named by ``manifest``); no process group."""
-    state_raw = json.loads((path / layout.STATE_JSON).read_text())
-    if manifest.get("layout") in ("dcp", layout.SHARDED):
-        merged: dict[str, torch.Tensor] = {}
-        if manifest["layout"] == layout.SHARDED:  # FSDP/HSDP: every rank's pieces, put together
-            merged = read_dcp_folder(path / layout.DCP_SUBDIR)
-        else:
-            for rel in manifest["files"]:
-                if rel.startswith(f"{layout.DCP_SUBDIR}/"):
-                    merged.update(read_safetensors(path / rel))  # DDP: every tensor whole in one shard
-        weights = {k[len("model/"):]: v for k, v in merged.items() if k.startswith("model/")}
-        tensors = {k[len("state/"):]: v for k, v in merged.items() if k.startswith("state/")}
-        tensors.update(read_safetensors(path / layout.STATE_FILE))
-    else:
-        weights = read_safetensors(path / layout.MODEL_FILE)
-        tensors = read_safetensors(path / layout.STATE_FILE)
-    for name, target in state_raw.get("aliases", {}).items():
-        weights[name] = weights[target]
-    state = {k: from_plain(v, tensors) for k, v in state_raw.items() if k not in ("aliases",)}
+def read_tensors(store, name: str, manifest: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every stored tensor whose name starts with ``prefix`` (dropped), whole, blocks verified."""
+    index = piece_index(manifest)
+    out = {}
+    for tname, info in manifest.get("tensors", {}).items():
+        if not tname.startswith(prefix):
+            continue
+        dtype = DTYPES[info["dtype"]]
+        whole = torch.empty(tuple(info["shape"]), dtype=dtype)
+        flat = whole.reshape(-1).view(torch.uint8)
+        esize = whole.element_size()
+        covered = 0
+        for piece in index.get(tname, []):
+            dst = flat[piece.start * esize:(piece.start + piece.count) * esize]
+            store.read_into(f"{name}/{piece.file}", piece.offset, dst.numpy())
+            verify_blocks(memoryview(dst.numpy()), piece.crcs, 0, f"{store.url}/{name}/{piece.file} ({tname})")
+            covered += piece.count
+        if covered != whole.numel():
+            raise CorruptCheckpoint(f"{store.url}/{name}: tensor {tname} has {covered} of "
+                                    f"{whole.numel()} elements stored")
+        out[tname[len(prefix):]] = whole
+    return out
+
+
+def read_checkpoint(store, name: str, manifest: dict) -> CheckpointData:
+    """Read a checkpoint (``name`` in ``store``, files named by ``manifest``); no process group."""
+    raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON))
+    small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
+    weights = read_tensors(store, name, manifest, "model/")
+    for alias, target in raw.get("aliases", {}).items():
+        weights[alias] = weights[target]
+    state = {k: from_plain(v, small) for k, v in raw.items() if k != "aliases"}
     config = None
     if layout.CONFIG_JSON in manifest["files"]:
-        config = json.loads((path / layout.CONFIG_JSON).read_text())
-    return CheckpointData(path=path, step=int(manifest["step"]), model_state=weights, state=state,
-                          model_config=config)
+        config = json.loads(read_small(store, name, manifest, layout.CONFIG_JSON))
+    local = store.local_path(name)
+    return CheckpointData(path=local if local is not None else Path(f"{store.url}/{name}"),
+                          step=int(manifest["step"]), model_state=weights, state=state, model_config=config,
+                          optimizer=read_tensors(store, name, manifest, "optim/"))
 
 
-def peek_train_state(path: Path) -> dict[str, Any]:
-    """The loop's train state of a validated checkpoint (config, tokenizer, step...), from
-    state.json alone: no tensor is read (the train state holds none)."""
-    raw = json.loads((path / layout.STATE_JSON).read_text()).get("train_state") or {}
+def peek_train_state(store, name: str, manifest: dict) -> dict[str, Any]:
+    """The loop's train state of a checkpoint (config, tokenizer, step...), from state.json alone."""
+    raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON)).get("train_state") or {}
     try:
         return from_plain(raw, {})
     except KeyError:  # a train state with tensors: not podtrain's loop's, nothing to compare
@@ -101,24 +118,30 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
-    choice = layout.find_latest_valid(run_dir / layout.CKPT_SUBDIR)
-    if choice.path is None:
+    store = open_store(str(run_dir / layout.CKPT_SUBDIR))
+    choice = layout.find_latest(store)
+    if choice.name is None:
         raise UserError(f"run directory {run_dir} has no complete checkpoint under "
                         f"{run_dir / layout.CKPT_SUBDIR} (train first, or check run.dir)")
-    return read_checkpoint(choice.path, choice.manifest)
+    try:
+        return read_checkpoint(store, choice.name, choice.manifest)
+    except CorruptCheckpoint as exc:
+        raise UserError(f"checkpoint {exc} (corrupted: resume the run to fall back to an older one)") from None
 
 
 def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
     """A run's checkpoint of ``step``, read into memory; a UserError naming the steps there when
     it is absent or not valid."""
     root = Path(run_dir) / layout.CKPT_SUBDIR
-    path = root / layout.step_name(step)
-    verdict = layout.verify(path) if path.is_dir() else None
-    if verdict is None or not verdict.ok:
-        steps = [s for s, _ in layout.list_checkpoints(root)] if root.is_dir() else []
-        why = verdict.reason if verdict is not None else "no such checkpoint"
-        raise UserError(f"{path}: {why} (checkpoints of {run_dir}: {', '.join(map(str, steps)) or 'none'})")
-    return read_checkpoint(path, verdict.manifest)
+    store, name = open_store(str(root)), layout.step_name(step)
+    manifest, why = layout.check(store, name) if name in store.list_dirs("") else (None, "no such checkpoint")
+    if manifest is not None:
+        try:
+            return read_checkpoint(store, name, manifest)
+        except (CorruptCheckpoint, StorageError) as exc:
+            why = str(exc)
+    steps = [s for s, _ in layout.committed_steps(store)]
+    raise UserError(f"{root / name}: {why} (checkpoints of {run_dir}: {', '.join(map(str, steps)) or 'none'})")
 
 
 def run_config_of(run_dir: str | os.PathLike, ckpt: CheckpointData) -> dict[str, Any]:
@@ -178,3 +201,26 @@ def check_tokenizer(ckpt: CheckpointData, identity: dict[str, Any], where: str |
     if vocab and int(identity.get("vocab_size", 0)) > int(vocab):
         raise UserError(f"tokenizer mismatch: {where} holds {identity.get('name')!r} with "
                         f"{identity['vocab_size']} tokens, but {ckpt.path} has a vocabulary of {vocab}")
+
+
+@dataclass
+class Verdict:
+    """Outcome of ``verify``."""
+
+    ok: bool
+    reason: str = ""
+
+
+def verify(path: str | os.PathLike) -> Verdict:
+    """Check one checkpoint directory completely, offline: manifest, sizes, every block's CRC-32
+    (reads the whole checkpoint: for tools and tests; a resume verifies only what each rank reads)."""
+    path = Path(path)
+    store = open_store(str(path.parent))
+    manifest, reason = layout.check(store, path.name)
+    if manifest is None:
+        return Verdict(False, reason)
+    try:
+        read_checkpoint(store, path.name, manifest)
+    except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
+        return Verdict(False, str(exc))
+    return Verdict(True)

@@ -9,14 +9,20 @@ and the step loop pays only for the copies (as before); when it does not, ``prod
 the writer to free slabs, so the step loop also pays for writing all but the last budget's worth.
 Host memory stays within the budget either way.
 
-On a GPU the copies are asynchronous DMA into pinned slabs, issued on the current stream (so they
-follow the optimizer step that produced the values and precede the next step's kernels); an event
-recorded after each slab's copies is synchronized by the writer before it reads the slab.
+On a GPU the copies are asynchronous DMA into pinned slabs, issued on a side stream
+(``CopyFence``) that first waits for the current stream (so they follow the optimizer step that
+produced the values); the next step's forward and backward, which only read the weights, overlap
+them, and only the next optimizer step (the first writer of the copied tensors) waits on their
+event, through an optimizer step pre-hook. That wait is timed with CUDA events, so the stall the
+loop reports is the device's, not the host's enqueue time. An event recorded after each slab's
+copies is synchronized by the writer before it reads the slab. On the CPU the same code runs with
+no stream and no events: the copies are synchronous, and the host time is the stall.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from typing import Iterator
 
@@ -30,6 +36,69 @@ _END = object()  # queued after a file's last slab
 
 class StagingAborted(RuntimeError):
     """The other side of a ``SaveStream`` failed or gave up."""
+
+
+class CopyFence:
+    """The side stream of a save's device-to-host copies and the next optimizer step's wait on them.
+
+    One per checkpointer (the stream is reused). On the CPU every method is a no-op and
+    ``wait_s`` is 0: the same code path, with the host clock as the truth.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        """``device``: the rank's compute device."""
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._done = None
+        self._timing: tuple | None = None  # (before, after) events around the optimizer's wait
+        self._hook = None
+
+    @contextlib.contextmanager
+    def copying(self):
+        """Run the copies issued inside on the side stream, after the current stream's work."""
+        if not self.cuda:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+        self._done = torch.cuda.Event()
+        self._done.record(self._stream)
+
+    def hold_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s next step wait (on the device) for the copies, and time that wait."""
+        if not self.cuda or self._done is None:
+            return
+        self.release()
+        done = self._done
+
+        def wait_for_copies(_opt, _args, _kwargs):
+            self.release()
+            main = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(main)
+            main.wait_event(done)
+            after.record(main)
+            self._timing = (before, after)
+
+        self._hook = optimizer.register_step_pre_hook(wait_for_copies)
+
+    def release(self) -> None:
+        """Remove the optimizer hook (its step ran, or the run ends)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def wait_s(self) -> float:
+        """Seconds the optimizer step waited for the copies, once known (never blocks; else 0)."""
+        if self._timing is None:
+            return 0.0
+        before, after = self._timing
+        if not after.query():
+            return 0.0
+        self._timing = None
+        return before.elapsed_time(after) / 1000.0
 
 
 class SaveStream:
@@ -53,16 +122,18 @@ class SaveStream:
         return sum(s.nbytes for specs in self.specs.values() for s in specs)
 
     # -- producer: the step loop ---------------------------------------------------------------
-    def produce(self, device: torch.device) -> None:
-        """Copy every tensor's bytes into slabs and queue them, file by file (blocks on a full pool).
+    def produce(self, device: torch.device, fence: CopyFence | None = None) -> None:
+        """Copy every tensor's bytes into slabs and queue them, file by file (blocks on a full pool),
+        on ``fence``'s side stream on a GPU.
 
         Returns early (quietly) when the writer gave up: its error reaches the step loop through
         the job. Raises, and fails the stream for the writer, when a copy itself fails.
         """
         try:
-            for file, items in self._sources.items():
-                if not self._produce_file(file, items, device):
-                    return
+            with fence.copying() if fence is not None else contextlib.nullcontext():
+                for file, items in self._sources.items():
+                    if not self._produce_file(file, items, device):
+                        return
         except BaseException as exc:
             self.fail(f"staging on the step loop failed: {type(exc).__name__}: {exc}")
             raise

@@ -1,42 +1,30 @@
 """Writing checkpoints in the background: the writer thread and the collectives and files of a save.
 
-The step loop hands a ``SaveJob`` (host copies of what this rank contributes) to
-``CheckpointWriter.submit``; one background thread per rank then runs the save's collectives, in a
-fixed order, on a gloo group of its own (created collectively by every rank in ``__init__``), so
-they never interleave with the main thread's collectives on the default group.
+The step loop hands a ``SaveJob`` to ``CheckpointWriter.submit``; one background thread per rank
+then runs the save's collectives, in a fixed order, on a gloo group of its own (created by every
+rank in ``__init__``), so they never interleave with the main thread's collectives:
 
-* ``format=safetensors``: every rank sends its RNG states to global rank 0, which alone writes
-  ``model.safetensors`` and ``state.safetensors`` and tells the others whether it succeeded.
-* ``format=dcp``: the tensors are dealt out to the ranks (``plan_files``: largest first, to the
-  rank with the fewest bytes so far); each rank stages and writes only its share, as one shard in
-  the layout of ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter`` (so ``dcp.load``
-  with ``HuggingFaceStorageReader`` reads it too; no pickled metadata), and sends rank 0 the
-  shard's size and SHA-256, computed while writing.
-* FSDP/HSDP runs (``SaveJob.layout`` = ``sharded``): the same, but each rank's shard holds its own
-  pieces of the DTensors, their offsets in the header (``podtrain.ckpt.sharded``).
-
-The tensor bytes arrive through the job's ``SaveStream`` (``podtrain.ckpt.staging``), slab by
-slab, while the step loop is still copying: host memory for a save stays within
-``ckpt.host_staging_mb``.
-
-Either way rank 0 finishes: it writes the JSON files into a temporary directory, ``manifest.json``
-(size and SHA-256 of every file) last, fsyncs, renames the directory into place, then updates
-``latest`` and applies retention (``layout.apply_retention``).
+1. every rank sends its RNG states to every rank (small);
+2. rank 0 clears the step's directory (an earlier timeline's, or a killed save's) and says so;
+3. every rank holding pieces writes its own file (``layout.rank_file``) in parallel, streaming
+   the bytes from the step loop's host copies (``podtrain.ckpt.staging``) and computing the block
+   CRC-32s in the same pass; the file appears only complete (the store's atomic ``open_write``);
+4. the ranks exchange their outcome and piece tables;
+5. rank 0 writes the small files, then ``manifest.json`` (the commit), then ``latest``, applies
+   retention, and tells every rank the result. On any failure it removes the step's directory, so
+   the last good checkpoint stays the newest, and every rank's job carries the same error.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import logging
-import os
 import queue
 import threading
 import time
-import uuid
+import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,25 +32,23 @@ import torch.distributed as dist
 
 from podtrain import __version__
 from podtrain.ckpt import layout
+from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import to_plain
-from podtrain.ckpt.tensorio import (FileRecord, TensorSpec, spec_of, tensor_chunks, write_json,
-                                    write_safetensors, write_safetensors_stream)
+from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
-from podtrain.fsutil import atomic_write_text, fsync_dir
+from podtrain.errors import UserError
 
-# The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
 
-# The background group waits while rank 0 writes; a multi-GB checkpoint on a slow shared file
-# system can take many minutes, far longer than a training collective should.
+# The background group waits while others write; a multi-GB share on a slow shared file system
+# can take many minutes, far longer than a training collective should.
 CKPT_GROUP_TIMEOUT_S = 3600.0
-# What torch's HuggingFaceStorageWriter writes into each shard's header (torch/distributed/
-# checkpoint/_hf_utils.py), so that HuggingFaceStorageReader can read podtrain's shards.
-DCP_SHARDING_INFO, DCP_VERSION = "DCP_SHARDING_INFO", "1.0"
 
-TensorItems = list[tuple[str, torch.Tensor]]
+
+class SaveFailed(UserError):
+    """A checkpoint could not be written (no space, read-only storage...): every rank raises it."""
 
 
 @dataclass
@@ -72,14 +58,16 @@ class SaveJob:
     step: int
     rng: dict[str, Any]
     stream: SaveStream | None = None
-    """The tensors this rank writes, by file (None: it writes none)."""
-    aliases: dict[str, str] = field(default_factory=dict)
+    """This rank's pieces (None: it writes none)."""
+    pieces: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(tensor, start, count)`` of each piece in the stream, in file order."""
+    tensors: dict[str, dict] = field(default_factory=dict)
+    """Every tensor of the checkpoint: ``{name: {"shape", "dtype"}}`` (rank 0 records it)."""
     state_plain: dict[str, Any] = field(default_factory=dict)
+    small: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Small tensors referenced by ``state_plain`` (rank 0 writes them)."""
     model_config: str | None = None
-    layout: str | None = None
-    """``layout.SHARDED`` for an FSDP/HSDP run's pieces (written like format=dcp); None: ckpt.format."""
-    offsets: dict[str, list[int]] = field(default_factory=dict)
-    """Each piece's offset in its whole tensor (sharded layout; whole tensors: none)."""
+    strategy: str = ""
     stall_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -87,44 +75,12 @@ class SaveJob:
     nbytes: int = 0
 
 
-def dcp_shard_name(rank: int) -> str:
-    """The file (under ``dcp/``) holding ``rank``'s share: HuggingFaceStorageWriter's name for it."""
-    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
-
-
-def plan_files(fmt: str, rank: int, world_size: int, model: TensorItems, state: TensorItems) -> dict[str, TensorItems]:
-    """Which files this rank writes, and the ``(name, tensor)``s of each, in file order.
-
-    safetensors: rank 0 writes the model and the state file, the others nothing. dcp: every
-    tensor goes to one rank (largest first, to the rank with the fewest bytes so far; every rank
-    computes the same deal from the same names and sizes), so each rank stages only its share.
-    """
-    if fmt != "dcp":
-        return {layout.MODEL_FILE: model, layout.STATE_FILE: state} if rank == 0 else {}
-    items = [(f"model/{k}", t) for k, t in model] + [(f"state/{k}", t) for k, t in state]
-    load = [0] * world_size
-    owner: dict[str, int] = {}
-    for name, t in sorted(items, key=lambda it: -it[1].numel() * it[1].element_size()):
-        owner[name] = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner[name]] += t.numel() * t.element_size()
-    mine = [(name, t) for name, t in items if owner[name] == rank]
-    return {f"{layout.DCP_SUBDIR}/{dcp_shard_name(rank)}": mine} if mine else {}
-
-
-def dcp_shard_metadata(specs: list[TensorSpec], offsets: dict[str, list[int]] | None = None) -> dict[str, str]:
-    """A shard's safetensors metadata as HuggingFaceStorageWriter writes it: where each stored
-    piece starts in its whole tensor (``offsets``; whole tensors start at 0)."""
-    offsets = offsets or {}
-    sharding = {s.name: {"saved_offsets": offsets.get(s.name, [0] * len(s.shape))} for s in specs}
-    return {DCP_SHARDING_INFO: json.dumps(sharding), "DCP_VERSION": DCP_VERSION, "format": "pt"}
-
-
 class CheckpointWriter:
-    """One rank's background writer: its gloo group, its thread, and the write paths."""
+    """One rank's background writer: its gloo group, its thread, and the write protocol."""
 
-    def __init__(self, root: Path, cfg: CkptSection, ctx: DistContext) -> None:
+    def __init__(self, store, cfg: CkptSection, ctx: DistContext) -> None:
         """Every rank constructs one (it creates the background gloo group collectively)."""
-        self.root = root
+        self.store = store
         self.cfg = cfg
         self.ctx = ctx
         self.group = None
@@ -162,7 +118,7 @@ class CheckpointWriter:
             t0 = time.perf_counter()
             try:
                 self._write(job)
-            except BaseException as exc:  # surfaced to the step loop by Checkpointer.wait()
+            except BaseException as exc:  # surfaced to the step loop by Checkpointer.failed/wait
                 job.error = exc
             job.write_s = time.perf_counter() - t0
             if job.error is None:
@@ -170,13 +126,12 @@ class CheckpointWriter:
                                   "bytes": job.nbytes}
                 if self.ctx.is_main:
                     mb = job.nbytes / 1e6
-                    log.info("checkpoint step %d durable: %.1f MB written in %.2f s (%.0f MB/s) "
-                             "in the background; the step loop stalled %.3f s", job.step, mb,
-                             job.write_s, mb / max(job.write_s, 1e-9), job.stall_s)
+                    log.info("checkpoint step %d durable: %.1f MB written by %d rank(s) in %.2f s "
+                             "(%.0f MB/s); the step loop stalled %.3f s", job.step, mb,
+                             self.ctx.world_size, job.write_s, mb / max(job.write_s, 1e-9), job.stall_s)
             job.done.set()
 
     def _write(self, job: SaveJob) -> None:
-        """Every rank, in the background thread: the collectives of one save, in a fixed order."""
         try:
             self._write_collectively(job)
         finally:
@@ -184,22 +139,74 @@ class CheckpointWriter:
                 job.stream.close("the checkpoint writer stopped before taking every tensor")
 
     def _write_collectively(self, job: SaveJob) -> None:
-        rngs = self._gather(job.rng)
-        if self.cfg.format == "dcp" or job.layout == layout.SHARDED:
-            self._write_dcp(job, rngs)
-            return
-        error = None
-        if self.ctx.is_main:
-            try:
-                self._write_rank0(job, rngs)
-            except Exception as exc:
-                log.exception("writing checkpoint step %d failed", job.step)
-                error = f"{type(exc).__name__}: {exc}"
+        name = layout.step_name(job.step)
+        rngs = self._all_gather(job.rng)
+        error = self._outcome(self._prepare, name) if self.ctx.is_main else None
         error = self._broadcast(error)
-        if error:
-            raise RuntimeError(f"rank 0 could not write it: {error}")
+        out: dict[str, Any] = {}
+        if error is None and job.stream is not None:
+            error = self._outcome(self._write_own, job, name, out)
+        reports = self._all_gather((error, out.get("record")))
+        error = next((e for e, _ in reports if e), None)
+        if self.ctx.is_main:
+            if error is None:
+                error = self._outcome(self._commit, job, name, rngs, [r for _, r in reports])
+            if error is not None:
+                self._outcome(layout.remove, self.store, name)  # no half-written checkpoint stays
+        error = self._broadcast(error)
+        if error is not None:
+            user, message = error
+            raise (SaveFailed if user else RuntimeError)(f"checkpoint of step {job.step} failed: {message}")
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _outcome(self, fn, *args) -> tuple[bool, str] | None:
+        """None when ``fn(*args)`` succeeds, else ``(is a user/storage error, one line naming the rank)``."""
+        try:
+            fn(*args)
+            return None
+        except Exception as exc:
+            user = isinstance(exc, (OSError, UserError))  # storage errors are UserErrors
+            if not user:
+                log.exception("checkpoint writer on rank %d failed", self.ctx.rank)
+            return user, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+
+    def _prepare(self, name: str) -> None:
+        # The same step saved by an earlier timeline, or a killed save: gone before anyone writes.
+        layout.remove(self.store, name)
+
+    def _write_own(self, job: SaveJob, name: str, out: dict) -> None:
+        """This rank's piece file, streamed from the staging slabs, block CRCs in the same pass."""
+        rel = layout.rank_file(self.ctx.rank)
+        with self.store.open_write(f"{name}/{rel}") as fh:
+            head, crcs, nbytes = write_pieces(fh, job.stream.specs[rel], job.stream.chunks(rel),
+                                              {"format": "pt", "podtrain": __version__})
+        pieces, offset = [], head
+        for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
+            pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
+            offset += spec.nbytes
+        out["record"] = (rel, {"bytes": nbytes, "pieces": pieces})
+
+    def _commit(self, job: SaveJob, name: str, rngs: list[dict], records: list) -> None:
+        """Rank 0: the small files, the manifest (the commit), ``latest``, retention."""
+        small = dict(job.small)
+        state = {"step": job.step, **job.state_plain,
+                 "rng": [to_plain(r, small.__setitem__, f"rng/{i}") for i, r in enumerate(rngs)]}
+        files: dict[str, dict] = dict(r for r in records if r is not None)
+        blobs = {layout.STATE_FILE: encode_small({k: v.detach().cpu().contiguous() for k, v in small.items()}),
+                 layout.STATE_JSON: json.dumps(state, indent=1).encode()}
+        if job.model_config is not None:
+            blobs[layout.CONFIG_JSON] = job.model_config.encode()
+        for rel, data in blobs.items():
+            self.store.write_bytes(f"{name}/{rel}", data)
+            files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__,
+                    "world_size": self.ctx.world_size, "strategy": job.strategy, "created": time.time(),
+                    "tensors": job.tensors, "files": files}
+        self.store.write_bytes(f"{name}/{layout.MANIFEST}", json.dumps(manifest, separators=(",", ":")).encode())
+        layout.write_latest(self.store, name)
+        job.nbytes = sum(r["bytes"] for r in files.values())
+        layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.ctx.world_size
@@ -213,85 +220,7 @@ class CheckpointWriter:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _state_json(self, job: SaveJob, rngs: list[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
-        """state.json's content and every rank's RNG tensors (the last tensors of the state file)."""
-        rng_tensors: dict[str, torch.Tensor] = {}
-        sink = rng_tensors.__setitem__
-        state = {"step": job.step, "aliases": job.aliases, **job.state_plain,
-                 "rng": [to_plain(r, sink, f"rng/{i}") for i, r in enumerate(rngs)]}
-        return state, rng_tensors
 
-    def _write_rank0(self, job: SaveJob, rngs: list[dict]) -> None:
-        name = layout.step_name(job.step)
-        tmp = self.root / f"{layout.TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        state, rng_tensors = self._state_json(job, rngs)
-        stream = job.stream
-        model = write_safetensors_stream(tmp / layout.MODEL_FILE, stream.specs[layout.MODEL_FILE],
-                                         stream.chunks(layout.MODEL_FILE),
-                                         {"format": "pt", "podtrain": __version__})
-        specs = stream.specs[layout.STATE_FILE] + [spec_of(n, t) for n, t in rng_tensors.items()]
-        chunks = itertools.chain(stream.chunks(layout.STATE_FILE), tensor_chunks(rng_tensors.values()))
-        files = {layout.MODEL_FILE: model,
-                 layout.STATE_FILE: write_safetensors_stream(tmp / layout.STATE_FILE, specs, chunks)}
-        self._finish(job, tmp, state, files)
-
-    def _write_dcp(self, job: SaveJob, rngs: list[dict]) -> None:
-        """format=dcp: every rank writes its share as one shard, rank 0 finishes the directory."""
-        name = layout.step_name(job.step)
-        tmp = self.root / f"{layout.TMP_PREFIX}{name}-dcp"  # every rank must know the name
-        shards = tmp / layout.DCP_SUBDIR
-        error = None
-        if self.ctx.is_main:
-            try:
-                if tmp.exists():
-                    layout.remove_tree(tmp)
-                shards.mkdir(parents=True)
-            except OSError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        error = self._broadcast(error)
-        state, rng_tensors = self._state_json(job, rngs)
-        records: dict[str, FileRecord] = {}
-        if not error and job.stream is not None:
-            try:
-                for rel, specs in job.stream.specs.items():
-                    records[rel] = write_safetensors_stream(tmp / rel, specs, job.stream.chunks(rel),
-                                                            dcp_shard_metadata(specs, job.offsets))
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        # Every rank's share is on disk (or someone failed) before rank 0 seals the directory.
-        reports = self._gather((error, records))
-        error = next((e for e, _ in reports if e), None)
-        if self.ctx.is_main and not error:
-            try:
-                files = {layout.STATE_FILE: write_safetensors(tmp / layout.STATE_FILE, rng_tensors)}
-                for _, shard_records in reports:
-                    files.update(shard_records)
-                fsync_dir(shards)
-                self._finish(job, tmp, state, files)
-            except Exception as exc:
-                log.exception("finishing checkpoint step %d failed", job.step)
-                error = f"{type(exc).__name__}: {exc}"
-        error = self._broadcast(error)
-        if error:
-            raise RuntimeError(error)
-
-    def _finish(self, job: SaveJob, tmp: Path, state: dict, files: dict[str, FileRecord]) -> None:
-        """Rank 0: JSON files, the manifest last, rename into place, ``latest``, retention."""
-        files[layout.STATE_JSON] = write_json(tmp / layout.STATE_JSON, state)
-        if job.model_config is not None:
-            files[layout.CONFIG_JSON] = write_json(tmp / layout.CONFIG_JSON, json.loads(job.model_config))
-        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__,
-                    "layout": job.layout or self.cfg.format, "world_size": self.ctx.world_size,
-                    "created": time.time(),
-                    "files": {k: {"bytes": r.bytes, "sha256": r.sha256} for k, r in files.items()}}
-        write_json(tmp / layout.MANIFEST, manifest)
-        fsync_dir(tmp)
-        final = self.root / layout.step_name(job.step)
-        if final.exists():  # the same step saved by an earlier timeline (resume=never)
-            layout.remove_tree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        atomic_write_text(self.root / layout.LATEST, final.name + "\n")
-        job.nbytes = sum(r.bytes for r in files.values())
-        layout.apply_retention(self.root, job.step, self.cfg.keep_last, self.cfg.keep_every)
+def tensor_table(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """``{name: {"shape": [...], "dtype": "F32"}}`` of the whole tensors (DTensors: global shape)."""
+    return {n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors.items()}

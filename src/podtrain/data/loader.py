@@ -27,97 +27,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from podtrain.data.manifest import Manifest, read_manifest
+from podtrain.data.manifest import Manifest
+from podtrain.data.mixture import Blend, MixOrder, ledger, parse_mix, restore_blend, segment_state
+from podtrain.data.samples import GlobalOrder
+from podtrain.data.sources import DataSources, MixedIndex
 from podtrain.errors import UserError
-
-
-class SampleIndex:
-    """The samples of one split: packed windows of ``seq_len + 1`` tokens over memmapped shards."""
-
-    def __init__(self, manifest: Manifest, split: str, seq_len: int):
-        self.seq_len = seq_len
-        self.shards = manifest.shards(split)
-        self.dtype = manifest.dtype
-        self._arrays: list[np.memmap] | None = None  # opened lazily: memmaps do not survive fork well
-        counts = []
-        for shard in self.shards:
-            if not shard.path.is_file():
-                raise UserError(f"shard {shard.path} listed in {manifest.root / 'manifest.json'} is missing")
-            tokens = shard.path.stat().st_size // self.dtype.itemsize
-            if tokens != shard.tokens:
-                raise UserError(f"shard {shard.path} holds {tokens} tokens, the manifest says {shard.tokens}")
-            counts.append(max(0, (tokens - 1) // seq_len))
-        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        self.num_samples = int(self.offsets[-1])
-        if self.num_samples == 0:
-            total = sum(s.tokens for s in self.shards)
-            raise UserError(f"{manifest.root}: split {split!r} has {total} tokens, too few for one "
-                            f"sample of data.seq_len + 1 = {seq_len + 1} tokens")
-
-    def _open(self) -> list[np.memmap]:
-        if self._arrays is None:
-            self._arrays = [np.memmap(s.path, dtype=self.dtype, mode="r") for s in self.shards]
-        return self._arrays
-
-    def gather(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``seq_len + 1`` token ids (int64) for the given sample ids."""
-        arrays = self._open()
-        shard_of = np.searchsorted(self.offsets, ids, side="right") - 1
-        starts = (ids - self.offsets[shard_of]) * self.seq_len
-        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, (shard, start) in enumerate(zip(shard_of, starts)):
-            out[row] = arrays[shard][start:start + self.seq_len + 1]
-        return out
-
-    def __getstate__(self):  # workers and forks reopen their own memmaps
-        state = self.__dict__.copy()
-        state["_arrays"] = None
-        return state
-
-
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The order of epoch ``epoch``: a pure function of (seed, epoch), different every epoch.
-
-    Held in memory for the epoch: 4 bytes per sample below 2**31 samples (an in-place shuffle of
-    an int32 range; the same order as ``Generator.permutation``), so 100M samples cost 400 MB.
-    """
-    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
-    order = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
-    rng.shuffle(order)
-    return order
-
-
-class GlobalOrder:
-    """Stream position -> sample id, caching the permutation of the epoch in use."""
-
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples = num_samples
-        self.seed = seed
-        self._cache: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._cache:
-            if len(self._cache) >= 2:  # at most two epochs are live (a batch straddles a boundary)
-                self._cache.pop(min(self._cache))
-            self._cache[epoch] = epoch_permutation(self.num_samples, self.seed, epoch)
-        return self._cache[epoch]
-
-    def ids(self, start: int, count: int) -> np.ndarray:
-        """Sample ids at stream positions ``start .. start + count`` (may straddle epochs)."""
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            pos = start + done
-            epoch, offset = divmod(pos, self.num_samples)
-            take = min(count - done, self.num_samples - offset)
-            out[done:done + take] = self._perm(epoch)[offset:offset + take]
-            done += take
-        return out
 
 
 def rank_slice(global_batch: int, world_size: int, rank: int) -> slice:
@@ -162,7 +81,7 @@ class ShardedLoader:
     """This rank's batches of one split, built ahead of the step.
 
     Args:
-        data_dir: a ``podtrain prepare`` output directory.
+        data_dir: a ``podtrain prepare`` output directory (ignored when ``sources`` is given).
         seq_len: tokens per training sequence.
         global_batch_size: sequences per optimizer step across all ranks.
         micro_batch_size: sequences per forward/backward on this rank.
@@ -172,56 +91,89 @@ class ShardedLoader:
         prefetch: batches kept ready ahead.
         num_workers: 0 builds batches in one background thread; N > 0 uses N worker processes.
         pin_memory: pin host batches so copies to the GPU can overlap compute.
+        manifest: ``data_dir``'s manifest when already read.
+        sources: the run's sources (``data.mix``), blended by weight (``data/mixture.py``).
     """
 
-    def __init__(self, data_dir: str | Path, seq_len: int, global_batch_size: int,
+    join_timeout_s = 5.0  # how long close() waits for a producer busy in a slow read
+
+    def __init__(self, data_dir: str | Path | None, seq_len: int, global_batch_size: int,
                  micro_batch_size: int, rank: int, world_size: int, seed: int,
                  split: str = "train", prefetch: int = 4, num_workers: int = 0,
-                 pin_memory: bool = False, manifest: Manifest | None = None):
+                 pin_memory: bool = False, manifest: Manifest | None = None,
+                 sources: DataSources | None = None):
         if global_batch_size % (micro_batch_size * world_size):
             raise UserError(
                 f"train.global_batch_size={global_batch_size} is not divisible by "
                 f"train.micro_batch_size x world size = {micro_batch_size} x {world_size}")
-        self.manifest = manifest or read_manifest(data_dir)
-        self.index = SampleIndex(self.manifest, split, seq_len)
-        self.order = GlobalOrder(self.index.num_samples, seed)
+        self.sources = sources or DataSources(parse_mix([], str(data_dir)), seq_len, split,
+                                              [manifest] if manifest is not None else None)
+        self.manifest = self.sources.manifest
+        self.index = MixedIndex(self.sources.indexes)
+        self.seq_len = seq_len
+        self._orders = [GlobalOrder(ix.num_samples, seed) for ix in self.sources.indexes]
+        self.order = MixOrder(self._orders, Blend([s.weight for s in self.sources.specs]), seed)
+        self.retired: dict[str, int] = {}  # sources a curriculum dropped: their frozen sample counts
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
         self.prefetch, self.num_workers, self.pin_memory = prefetch, num_workers, pin_memory
         self.consumed = 0  # stream positions consumed by steps handed to the trainer
         self._stream: Iterator[StepBatch] | None = None
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None  # the running producer's own (one per stream)
         self._thread: threading.Thread | None = None
 
     # -- state ---------------------------------------------------------------------------------
     @property
     def samples_per_epoch(self) -> int:
-        """N: samples in one pass over the split."""
+        """N: samples in one pass over the split (all sources together)."""
         return self.index.num_samples
 
     @property
     def epoch(self) -> int:
-        """The epoch the next batch starts in."""
-        return self.consumed // self.index.num_samples
+        """The epoch the next batch starts in (a mixture's: its most-repeated source's)."""
+        counts = self.order.blend.counts(self.consumed)
+        return max(int(n) // ix.num_samples for n, ix in zip(counts, self.sources.indexes))
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the data stands, independent of the world size: (epoch, global samples consumed)."""
+    def ledger(self) -> dict[str, dict[str, int]]:
+        """Samples and tokens each source has given the run so far (``mixture.ledger``)."""
+        return ledger(self.sources.names, self.order.blend.counts(self.consumed), self.seq_len, self.retired)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data stands, independent of the world size: global samples consumed, the
+        blend's segment and the per-source ledger (JSON-able)."""
+        names = self.sources.names
         return {"epoch": self.epoch, "consumed": self.consumed,
-                "samples_per_epoch": self.index.num_samples, "seed": self.order.seed}
+                "samples_per_epoch": self.index.num_samples, "seed": self.order.seed,
+                "mix": segment_state(names, [s.weight for s in self.sources.specs], self.order.blend),
+                "sources": {n: ix.num_samples for n, ix in zip(names, self.sources.indexes)},
+                "ledger": self.ledger()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved state (before the first ``next``)."""
-        if state.get("samples_per_epoch", self.index.num_samples) != self.index.num_samples:
-            raise UserError(
-                f"data in {self.manifest.root} has {self.index.num_samples} samples per epoch but the "
-                f"checkpoint was made with {state['samples_per_epoch']}: different data or data.seq_len")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved state (before the first ``next``); a state with only
+        ``consumed`` (the guard's skip) moves along the current blend."""
         if state.get("seed", self.order.seed) != self.order.seed:
             raise UserError(
                 f"run.seed is {self.order.seed} but the checkpoint's data order was made with seed "
                 f"{state['seed']}: resuming would repeat and skip samples (keep run.seed)")
+        self._check_sizes(state)
         self.close()
         self.consumed = int(state["consumed"])
+        if "mix" in state:
+            blend, self.retired = restore_blend(self.sources.names, [s.weight for s in self.sources.specs],
+                                                state["mix"], state.get("ledger", {}), self.consumed)
+            self.order = MixOrder(self._orders, blend, self.order.seed)
+
+    def _check_sizes(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose sources have other sample counts (other data or seq_len)."""
+        saved = state.get("sources")
+        if saved is None and "samples_per_epoch" in state:  # a checkpoint from before data.mix
+            saved = {self.sources.names[0]: state["samples_per_epoch"]} if len(self.sources.names) == 1 else {}
+        for i, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes)):
+            if name in (saved or {}) and saved[name] != index.num_samples:
+                raise UserError(
+                    f"data in {self.sources.manifests[i].root} has {index.num_samples} samples per epoch but "
+                    f"the checkpoint was made with {saved[name]}: different data or data.seq_len")
 
     # -- building ------------------------------------------------------------------------------
     def build(self, start: int, pin: bool | None = None) -> StepBatch:
@@ -239,25 +191,30 @@ class ShardedLoader:
         return StepBatch(micro, ids, start + self.global_batch_size)
 
     def _thread_stream(self) -> Iterator[StepBatch]:
+        # Each stream has its own queue and stop event: a producer that close() could not join
+        # (stuck in a slow read) finds its event still set when it returns and ends, whatever
+        # later streams do.
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = self._stop = threading.Event()
         start = self.consumed
+
+        def hand_over(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def produce() -> None:
             pos = start
             try:
-                while not self._stop.is_set():
-                    batch = self.build(pos)
-                    while not self._stop.is_set():
-                        try:
-                            ready.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                while not stop.is_set() and hand_over(self.build(pos)):
                     pos += self.global_batch_size
             except BaseException as exc:  # hand the failure to the consumer instead of hanging it
-                ready.put(exc)
+                hand_over(exc)
 
-        self._stop.clear()
         self._thread = threading.Thread(target=produce, name="podtrain-loader", daemon=True)
         self._thread.start()
         while True:
@@ -287,25 +244,17 @@ class ShardedLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the background thread or workers (safe to call twice)."""
-        self._stop.set()
+        """Stop the background thread or workers (safe to call twice). A producer still busy
+        after ``join_timeout_s`` is left to end by itself at its next check."""
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=self.join_timeout_s)
             self._thread = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-
-
-def validation_ids(num_samples: int, rank: int, world_size: int, limit: int | None) -> np.ndarray:
-    """This rank's validation samples: every ``world_size``-th one from ``rank``, in order.
-
-    Disjoint across ranks, no padding duplicates: ranks may get one sample fewer, which is fine
-    because the loss is combined by summing losses and token counts. ``limit`` caps the
-    samples per rank so evaluation stays cheap.
-    """
-    ids = np.arange(rank, num_samples, world_size, dtype=np.int64)
-    return ids if limit is None else ids[:limit]
 
 
 def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 50_000_000) -> float:

@@ -95,6 +95,22 @@ class Manifest:
                 for s in self.raw["splits"][split]["shards"]]
 
 
+def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
+    """A short, comparable name of a data manifest's tokenizer: kind, name, vocabulary, hash
+    (``bpe:4096:1f2e...``, ``hf:gpt2:50257:...``: a name that repeats the kind or the vocabulary,
+    as ``bpe:4096`` does, is not said twice)."""
+    digest = str(tokenizer.get("sha256") or "")[:12]
+    return said_once(f"{tokenizer.get('kind')}:{tokenizer.get('name')}:{tokenizer.get('vocab_size')}"
+                     + (f":{digest}" if digest else ""))
+
+
+def said_once(identity: str) -> str:
+    """``bpe:bpe:4096:4096:ab`` -> ``bpe:4096:ab``: repeated neighbours dropped (applied to a
+    checkpoint's stored identity too, which older podtrain wrote with the repeats)."""
+    parts = identity.split(":")
+    return ":".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+
+
 def read_manifest(data_dir: str | Path) -> Manifest:
     """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error."""
     root = Path(data_dir)

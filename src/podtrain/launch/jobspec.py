@@ -15,7 +15,7 @@ import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -111,14 +111,32 @@ def _resolve_nproc(gpus: int, nproc: int | None) -> int:
     return nproc
 
 
-def absolute_paths(cfg: RunConfig, base: Path) -> dict[str, str]:
-    """``run.dir`` and ``data.path`` made absolute against ``base`` (the submit directory).
+def mix_with_paths(mix: list[dict[str, Any]], place: Callable[[str], str]) -> list[dict[str, Any]]:
+    """``data.mix`` with each local source's path passed through ``place`` (s3:// kept as is)."""
+    return [dict(entry, path=entry["path"] if "://" in entry["path"] else place(entry["path"])) for entry in mix]
+
+
+def absolute_paths(cfg: RunConfig, base: Path) -> dict[str, Any]:
+    """``run.dir``, ``data.path`` and ``data.mix``'s paths made absolute against ``base`` (the
+    submit directory).
 
     Nodes may start in another working directory (a container's, a pod's), so relative paths are
     pinned here, where the user meant them.
     """
-    return {key: str((base / value).resolve()) if not Path(value).is_absolute() else value
-            for key, value in (("run.dir", cfg.run.dir), ("data.path", cfg.data.path))}
+    def place(value: str) -> str:
+        return str((base / value).resolve()) if not Path(value).is_absolute() else value
+
+    paths: dict[str, Any] = {"run.dir": place(cfg.run.dir), "data.path": place(cfg.data.path)}
+    if cfg.data.mix:
+        paths["data.mix"] = mix_with_paths(cfg.data.mix, place)
+    return paths
+
+
+def data_paths(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(key, path) of the run directory and every local data source, for the storage warnings."""
+    data = [("data.mix", e["path"]) for e in cfg.data.mix if "://" not in e["path"]] if cfg.data.mix \
+        else [("data.path", cfg.data.path)]
+    return [("run.dir", cfg.run.dir)] + data
 
 
 NODE_LOCAL_ROOTS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -131,7 +149,7 @@ def shared_storage_warnings(cfg: RunConfig, base: Path, home: Path | None = None
     some clusters, local on others)."""
     home = (home or Path.home()).resolve()
     lines = []
-    for key, value in (("run.dir", cfg.run.dir), ("data.path", cfg.data.path)):
+    for key, value in data_paths(cfg):
         path = (base / value).resolve()  # an absolute value ignores base
         if not Path(value).is_absolute():
             lines.append(f"{key} {value} is relative: the job uses {path} on every node; is that on "

@@ -41,7 +41,8 @@ from podtrain.distributed.env import DEFAULT_MASTER_PORT
 from podtrain.errors import UserError
 from podtrain.launch import schemas
 from podtrain.launch.instances import pod_resources
-from podtrain.launch.jobspec import JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label
+from podtrain.launch.jobspec import (JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label,
+                                     mix_with_paths)
 from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
                                      validate_pod_template, validate_pytorchjob)
 from podtrain.launch.torchrun import (TORCHRUN_MODULE, TRAIN_MODULE, kill_grace_s, shutdown_timeout_s,
@@ -140,7 +141,7 @@ def _namespace(namespace: str | None, auto_resume: bool) -> str | None:
     return namespace
 
 
-def _shared_paths(spec: JobSpec, pvc: str | None, mount: str) -> dict[str, str]:
+def _shared_paths(spec: JobSpec, pvc: str | None, mount: str) -> dict[str, Any]:
     """run.dir and data.path as the pods see them: relative paths live on the shared claim."""
     if not PurePosixPath(mount).is_absolute():
         raise UserError(f"--mount {mount} must be an absolute path")
@@ -150,8 +151,12 @@ def _shared_paths(spec: JobSpec, pvc: str | None, mount: str) -> dict[str, str]:
             raise UserError("--nodes > 1 needs --pvc CLAIM: every pod must see the run directory "
                             "(rank 0 writes checkpoints, all ranks read them)")
         return {"run.dir": run_dir, "data.path": data}
-    resolved = {key: value if PurePosixPath(value).is_absolute() else str(PurePosixPath(mount) / value)
-                for key, value in (("run.dir", run_dir), ("data.path", data))}
+    def place(value: str) -> str:
+        return value if PurePosixPath(value).is_absolute() else str(PurePosixPath(mount) / value)
+
+    resolved: dict[str, Any] = {"run.dir": place(run_dir), "data.path": place(data)}
+    if spec.cfg.data.mix:
+        resolved["data.mix"] = mix_with_paths(spec.cfg.data.mix, place)
     if not PurePosixPath(resolved["run.dir"]).is_relative_to(mount):
         raise UserError(f"run.dir {run_dir} is not under --mount {mount}: checkpoints would be "
                         "written inside a pod and lost when it restarts")

@@ -96,10 +96,31 @@ def format_duration(seconds: float | None) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+class _CurrentStreamHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.<name>`` is when a record is emitted.
+
+    A plain StreamHandler keeps the stream object it was given: once that stream is replaced and
+    closed (a caller redirecting output, pytest's capture between tests), every later record from
+    any podtrain command in the process becomes a "Logging error" traceback.
+    """
+
+    def __init__(self, name: str):
+        self._stream_name = name
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return getattr(sys, self._stream_name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the name decides
+        pass
+
+
 def setup_logging(rank: int) -> None:
     """INFO from global rank 0; WARNING and above from the others, prefixed with their rank."""
     prefix = "podtrain" if rank == 0 else f"podtrain rank {rank}"
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler = _CurrentStreamHandler("stdout" if rank == 0 else "stderr")
     handler.setFormatter(logging.Formatter(f"[{prefix}] %(levelname)s %(message)s"
                                            if rank else f"[{prefix}] %(message)s"))
     root = logging.getLogger("podtrain")

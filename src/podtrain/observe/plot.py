@@ -1,7 +1,9 @@
 """``podtrain plot RUN_DIR... [--out FILE.png|FILE.html]``: a run's curves in one picture.
 
 Panels against tokens seen: training and validation loss, learning rate, gradient norm,
-tokens/s, MFU, data wait, validation bits per byte and the lm-eval tasks' accuracies (``eval.tasks``); several run directories are overlaid, one colour each, and every
+tokens/s, MFU, data wait, validation bits per byte, the lm-eval tasks' accuracies (``eval.tasks``)
+and the tokens trained per data source (``data.mix``: the sources' validation losses join the
+loss panel, one line style each); several run directories are overlaid, one colour each, and every
 restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
 ``observe/records.py``. ``.html`` writes one self-contained file: the PNG embedded plus a table of
 each run's final numbers. Needs matplotlib (``pip install 'podtrain[plot]'``).
@@ -29,6 +31,7 @@ PANELS: tuple[tuple[str, str, float, str], ...] = (
     ("MFU", "mfu", 100.0, "% of peak"),
     ("data wait", "data_wait_s", 1000.0, "ms per step"),
 )
+SOURCE_STYLES = (":", "-.", (0, (5, 1)), (0, (1, 3)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,34 @@ def _series(records: list[dict[str, Any]], key: str, scale: float) -> tuple[list
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def _source_series(records: list[dict[str, Any]], field: str) -> dict[str, tuple[list[float], list[float]]]:
+    """``{source: (tokens seen, value)}`` of a per-source field (``tokens_by_source``)."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for r in records:
+        for source, value in (r.get(field) or {}).items():
+            if value is not None and r.get("tokens_seen") is not None:
+                xs, ys = out.setdefault(source, ([], []))
+                xs.append(r["tokens_seen"])
+                ys.append(value)
+    return out
+
+
+def _source_panels(loss_ax, tokens_ax, records: RunRecords, colour: str, name: str) -> None:
+    """Per data source: validation loss in the loss panel, tokens trained in their own panel."""
+    for j, (source, (xs, ys)) in enumerate(_source_series(records.eval, "val_loss_by_source").items()):
+        loss_ax.plot(xs, ys, color=colour, ls=SOURCE_STYLES[j % len(SOURCE_STYLES)], marker=".",
+                     label=f"{name} validation {source}")
+    for j, (source, (xs, ys)) in enumerate(_source_series(records.train, "tokens_by_source").items()):
+        styles = ("-",) + SOURCE_STYLES
+        tokens_ax.plot(xs, ys, color=colour, ls=styles[j % len(styles)], label=f"{name} {source}")
+    tokens_ax.set_title("tokens by source")
+    tokens_ax.set_xlabel("tokens seen")
+    tokens_ax.set_ylabel("tokens trained")
+    tokens_ax.grid(True, alpha=0.3)
+    if tokens_ax.lines:
+        tokens_ax.legend(fontsize=8)
+
+
 def render_png(runs: list[RunRecords]) -> bytes:
     """The six panels as PNG bytes (one colour per run, restarts dotted)."""
     plt = _pyplot()
@@ -94,7 +125,7 @@ def render_png(runs: list[RunRecords]) -> bytes:
             ax.set_ylabel(unit)
             ax.grid(True, alpha=0.3)
         _eval_panels(axes.flat[len(PANELS)], axes.flat[len(PANELS) + 1], records, colour, name)
-    axes.flat[-1].axis("off")
+        _source_panels(axes.flat[0], axes.flat[-1], records, colour, name)
     axes.flat[0].legend(fontsize=8)
     if any(r.restarts for r in runs):
         axes.flat[1].plot([], [], color="grey", ls=":", label="restart (resumed)")

@@ -72,13 +72,26 @@ def resolve_trackers(names: list[str]) -> list[str]:
     return chosen
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The record's curves as ``kind/field`` -> number (``train/loss``, ``eval/val_loss``)."""
+    """The record's curves as ``kind/field`` -> number (``train/loss``, ``eval/val_loss``); a
+    per-source field (``tokens_by_source``) gives one curve per source
+    (``train/tokens_by_source/web``)."""
     kind = record.get("kind", "train")
     if kind not in ("train", "eval"):
         return {}  # segment markers and the like are bookkeeping, not curves
-    return {f"{kind}/{key}": float(value) for key, value in record.items()
-            if key not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in _NOT_SCALARS:
+            continue
+        if key.endswith("_by_source") and isinstance(value, dict):
+            out.update({f"{kind}/{key}/{name}": float(v) for name, v in value.items() if _number(v)})
+        elif _number(value):
+            out[f"{kind}/{key}"] = float(value)
+    return out
 
 
 class TensorBoardTracker:

@@ -10,6 +10,7 @@ import torch
 
 from podtrain.config import RunConfig
 from podtrain.data.manifest import MANIFEST_NAME, read_manifest
+from podtrain.data.mixture import primary_path
 from podtrain.model import attention_width, model_size, num_layers, preset_config, round_up
 from podtrain.plan.memory import ModelShape
 
@@ -19,11 +20,12 @@ def run_vocab(cfg: RunConfig) -> tuple[int | None, str]:
     prepared data's rounded up to 64 when the data exists here, else None (the preset's own)."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, "model.vocab_size"
-    if (Path(cfg.data.path) / MANIFEST_NAME).is_file():
-        found = read_manifest(cfg.data.path).vocab_size
-        return round_up(found, 64), (f"the data's tokenizer in {cfg.data.path} ({found:,} rounded up to 64; "
+    data = primary_path(cfg.data.mix, cfg.data.path)
+    if (Path(data) / MANIFEST_NAME).is_file():
+        found = read_manifest(data).vocab_size
+        return round_up(found, 64), (f"the data's tokenizer in {data} ({found:,} rounded up to 64; "
                                      "set model.vocab_size to plan another)")
-    return None, f"the preset's own ({cfg.data.path} has no prepared data here)"
+    return None, f"the preset's own ({data} has no prepared data here)"
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:

@@ -2,7 +2,9 @@
 
 * validation loss every ``eval.every`` steps (``train/evaluate.py``), with bits per byte: the loss
   in bits divided by the validation text's bytes per token, which does not depend on the
-  tokenizer, so runs with different tokenizers compare;
+  tokenizer, so runs with different tokenizers compare; a ``data.mix`` run validates each source
+  on its own split (``val_loss_by_source``, ``val_bpb_by_source``) and the mixture's figures are
+  the sources' weighted as the training mix;
 * lm-eval tasks (``eval.tasks``) every ``eval.tasks_every`` steps, each rank scoring its share
   (``podtrain.eval``): the record gains ``TASK/METRIC`` fields (``podtrain-next-line/acc``).
 
@@ -22,11 +24,12 @@ import numpy as np
 from torch import nn
 
 from podtrain.config_sections import EvalSection
-from podtrain.data.loader import SampleIndex
 from podtrain.data.manifest import Manifest
+from podtrain.data.samples import SampleIndex
+from podtrain.data.sources import DataSources
 from podtrain.distributed.group import DistContext
 from podtrain.distributed.watchdog import Watchdog
-from podtrain.train.evaluate import evaluate
+from podtrain.train.evaluate import evaluate_sources
 from podtrain.train.precision import Precision
 
 TASK_BATCH_SIZE = 32
@@ -61,12 +64,16 @@ def bits_per_byte(loss_nats: float, bytes_per_tok: float) -> float:
 class Evaluations:
     """The loop's evaluations (see the module docstring); built in setup, on every rank."""
 
-    def __init__(self, cfg: EvalSection, val_index: SampleIndex | None, manifest: Manifest,
+    def __init__(self, cfg: EvalSection, val_indexes: dict[str, SampleIndex], sources: DataSources,
                  micro_batch_size: int):
-        """Raises a ``UserError`` for an ``eval.tasks`` that cannot run (every rank alike)."""
-        self.cfg, self.val_index, self.micro_batch_size = cfg, val_index, micro_batch_size
-        self.validating = bool(cfg.every) and val_index is not None
-        self.bytes_per_token = bytes_per_token(manifest) if self.validating else None
+        """Raises a ``UserError`` for an ``eval.tasks`` that cannot run (every rank alike).
+        ``val_indexes``: each source's validation samples (``DataSources.val_indexes``)."""
+        self.cfg, self.val_indexes, self.micro_batch_size = cfg, val_indexes, micro_batch_size
+        self.sources, manifest = sources, sources.manifest
+        self.validating = bool(cfg.every) and bool(val_indexes)
+        manifests = dict(zip(sources.names, sources.manifests))
+        self.bytes_per_token = {name: bytes_per_token(manifests[name]) for name in val_indexes} \
+            if self.validating else {}
         self.tasks = None
         if cfg.tasks:
             from podtrain.data.tokenizer import load_tokenizer
@@ -95,9 +102,15 @@ class Evaluations:
         t0 = time.perf_counter()
         record: dict[str, Any] = {}
         if self._validate_now(step, last):
-            val = evaluate(model, self.val_index, ctx, self.micro_batch_size, self.cfg.max_batches, precision)
-            record.update(val_loss=val, val_bpb=bits_per_byte(val, self.bytes_per_token),
-                          bytes_per_token=self.bytes_per_token)
+            weights = self.sources.weights
+            val, losses = evaluate_sources(model, self.val_indexes, weights, ctx, self.micro_batch_size,
+                                           self.cfg.max_batches, precision)
+            bpbs = {name: bits_per_byte(loss, self.bytes_per_token[name]) for name, loss in losses.items()}
+            record.update(val_loss=val, val_bpb=sum(weights[n] * b for n, b in bpbs.items())
+                          / sum(weights[n] for n in bpbs), **self.sources.by_source("val_loss", losses),
+                          **self.sources.by_source("val_bpb", bpbs))
+            if len(bpbs) == 1:
+                record["bytes_per_token"] = next(iter(self.bytes_per_token.values()))
         if self._tasks_now(step, last):
             from podtrain.eval.harness import flat_metrics
 
@@ -113,6 +126,9 @@ def describe(record: dict[str, Any]) -> str:
     parts = []
     if "val_loss" in record:
         parts.append(f"validation loss {record['val_loss']:.4f} ({record['val_bpb']:.4f} bits/byte)")
+        by_source = record.get("val_loss_by_source", {})
+        if by_source:
+            parts.append("by source " + ", ".join(f"{name} {loss:.4f}" for name, loss in by_source.items()))
     parts += [f"{key} {value:.4f}" for key, value in record.items()
               if "/" in key and key.rsplit("/", 1)[-1] in ("acc", "acc_norm", "word_perplexity", "exact_match")]
     return ", ".join(parts)

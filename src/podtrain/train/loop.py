@@ -26,7 +26,7 @@ from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, unigram_entropy
-from podtrain.data.manifest import verify_shards
+from podtrain.data.mixture import ledger_fields, ledger_line
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
 from podtrain.distributed.health import write_verdict
@@ -46,13 +46,13 @@ from podtrain.train.evaluations import Evaluations, describe
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
-from podtrain.train.guard import Guard, StepJudge, weights_finite
+from podtrain.train.guard import Guard, StepJudge
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
 from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, skipped_steps
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
-from podtrain.train.resume import tokenizer_identity
+from podtrain.train import saving
 from podtrain.train.signals import StopSignal
 from podtrain.train.step import Stepper
 from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
@@ -167,7 +167,7 @@ class Trainer:
         self._start_watchdog()
         ctx.agree_on(self._setup_local)
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
-            ctx.agree_on(lambda: verify_shards(self.loader.manifest, part=(ctx.rank, ctx.world_size)))
+            ctx.agree_on(lambda: self.loader.sources.verify(part=(ctx.rank, ctx.world_size)))
         if cfg.dist.strategy == "ddp":  # fsdp/hsdp: every rank's shards come from rank 0's model
             check_replicas(self.model, ctx, before_ddp=True)
         # Every rank must accumulate the same way (FSDP's collectives differ): unsharded only
@@ -201,10 +201,10 @@ class Trainer:
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
         self.loader = ShardedLoader(
-            cfg.data.path, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+            None, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
-            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, manifest=checked.manifest)
-        self.evals = Evaluations(cfg.eval, checked.val_index, checked.manifest, cfg.train.micro_batch_size)
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
+        self.evals = Evaluations(cfg.eval, checked.val_indexes, checked.sources, cfg.train.micro_batch_size)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
@@ -228,7 +228,9 @@ class Trainer:
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
-        restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        state = restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        if state is not None:
+            self.apply_resume(state)
         self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
         self.saves = SaveSchedule(self.cfg.ckpt, self.step)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
@@ -261,7 +263,7 @@ class Trainer:
                  "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
                  self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
-        log.info("data %s: %d samples per epoch | run dir %s", cfg.data.path,
+        log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),
                  self.loader.samples_per_epoch, self.run_dir)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -308,9 +310,9 @@ class Trainer:
         return self.result
 
     def _should_stop(self) -> bool:
-        """At a step boundary, on every rank: did any rank get a stop signal? (The seam where
-        tests inject faults from outside, see tests/fault_plugin.)"""
-        return self.stop_signal.should_stop(self.ctx)
+        """At a step boundary, on every rank: did any rank get a stop signal (or did a background
+        save fail: raised here)? (The seam where tests inject faults, see tests/fault_plugin.)"""
+        return saving.should_stop(self)
 
     def _summary(self) -> None:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
@@ -318,6 +320,7 @@ class Trainer:
             return
         self.metrics.write(self.goodput.closing_record(self.step, "finished"))
         self.progress.note(self.goodput.summary_line())
+        self.progress.note(ledger_line(self.loader.ledger()))
         if self.result.final_loss is None:
             return
         entropy = unigram_entropy(self.loader.manifest)
@@ -343,7 +346,7 @@ class Trainer:
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
-        record.update(self.goodput.record(), skipped_steps=len(skipped),
+        record.update(self.goodput.record(), **ledger_fields(self.loader.ledger()), skipped_steps=len(skipped),
                       skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
         self.metrics.write(record)
         self.progress.update(record)
@@ -375,25 +378,12 @@ class Trainer:
         self.progress.note(f"step {self.step}: {describe(record)}")
         return record["eval_s"]
 
-    def train_state(self) -> dict[str, Any]:
-        """What a checkpoint needs beyond weights and optimizer to continue exactly."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "run_id": self.run_id, "config": to_dict(self.cfg),
-                "tokenizer_sha256": self.loader.manifest.raw["tokenizer"].get("sha256"),
-                "tokenizer": tokenizer_identity(self.loader.manifest.tokenizer)}
+    def apply_resume(self, state) -> None:
+        """Apply a restored checkpoint's loop state (start-up and the guard's rollback)."""
+        saving.apply_resume(self, state)
 
     def _save(self) -> float:
-        if self.cfg.guard.enabled and not weights_finite(self.model, self.ctx):
-            raise UserError(f"the weights are non-finite at step {self.step}: not saved (the last "
-                            "checkpoint stays the newest); lower optim.lr")
-        t0 = time.perf_counter()
-        self.checkpointer.save(self.step, self.model, self.optimizer, self.stepper.scaler,
-                               self.train_state())
-        stall = self.goodput.add("save_stall", time.perf_counter() - t0)
-        self.metrics.write({"kind": "save", "step": self.step, "save_s": stall, "time": time.time()})
-        if self.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
-            self.saves.saved(self.step, *self.ctx.broadcast_object((stall, self.goodput.step_seconds())))
-        return stall
+        return saving.save(self)
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""

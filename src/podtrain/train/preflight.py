@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from podtrain.config import RunConfig, accumulation_steps
-from podtrain.data.loader import SampleIndex
-from podtrain.data.manifest import check_vocab, read_manifest
+from podtrain.data.samples import SampleIndex
+from podtrain.data.sources import DataSources
 from podtrain.errors import UserError
 from podtrain.model import preset_config, round_up
 from podtrain.observe.hardware import device_memory_bytes
@@ -37,9 +37,12 @@ class CheckedRun:
     manifest: Any
     model_config: Any
     accum: int
-    val_index: SampleIndex | None
+    val_indexes: dict[str, SampleIndex]
+    """Each source's validation samples (sources without a val split, or eval.every=0: none)."""
     accumulate_unsharded: bool = True
     """fsdp/hsdp: gradients accumulate unsharded between micro-batches (``plan.fit.accumulates_unsharded``)."""
+    sources: DataSources | None = None
+    """The run's data sources (``data.path`` or ``data.mix``), opened."""
 
 
 def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
@@ -52,12 +55,11 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     before starting torchrun, so a mistake is one line, not a worker failure."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
-    manifest = read_manifest(cfg.data.path)
+    sources = DataSources.from_config(cfg.data)  # enough tokens, shards present and whole
+    manifest = sources.manifest
     vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-    check_vocab(manifest, vocab)
-    SampleIndex(manifest, "train", cfg.data.seq_len)  # enough tokens, shards present and whole
-    val_index = (SampleIndex(manifest, "val", cfg.data.seq_len)
-                 if cfg.eval.every and "val" in manifest.splits() else None)
+    sources.check_vocab(vocab)
+    val_indexes = sources.val_indexes() if cfg.eval.every else {}
     model_config = preset_config(cfg.model.preset, vocab)
     shape = config_shape(model_config, cfg.data.seq_len)
     if device_bytes is None:
@@ -71,7 +73,7 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         check_host_copy(shape.params, device_memory_bytes(torch.device("cpu"), 1), cfg.dist.strategy,
                         cfg.model.memory_check)
     unsharded = decision.accumulate_unsharded
-    return CheckedRun(manifest, model_config, accum, val_index, unsharded)
+    return CheckedRun(manifest, model_config, accum, val_indexes, unsharded, sources)
 
 
 def check_host_copy(params: int, host_bytes: int | None, strategy: str, policy: str = "error") -> str | None:

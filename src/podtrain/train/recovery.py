@@ -1,6 +1,7 @@
 """Putting a checkpoint back into a running Trainer: at start-up (resume) and after the guard
 asks for a rollback. Both check the checkpoint's config against this run's, re-apply the current
-optimizer hyperparameters and verify that every rank then holds the same weights.
+optimizer hyperparameters and verify that every rank then holds the same weights; the restore
+returns a ``ResumeState`` that the trainer applies (``Trainer.apply_resume``).
 
 ``trainer`` is a ``podtrain.train.loop.Trainer`` (not imported: the loop imports this module)."""
 
@@ -9,17 +10,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.data.manifest import tokenizer_identity
 from podtrain.errors import UserError
 from podtrain.train.guard import Rollback
 from podtrain.train.replicas import check_replicas
-from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters, tokenizer_identity
+from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters
 
 log = logging.getLogger("podtrain")
 
 
-def restore_checkpoint(trainer: Any, resume: str | None = None) -> dict[str, Any] | None:
-    """Load the checkpoint ``resume`` (default ``ckpt.resume``) designates into the trainer (every
-    rank); None: nothing to load. The replica check runs after the load, whatever it loaded."""
+def restore_checkpoint(trainer: Any, resume: str | None = None) -> ResumeState | None:
+    """Load the checkpoint ``resume`` (default ``ckpt.resume``) designates into the model,
+    optimizer and scaler (every rank) and return the loop's part; None: nothing to load. The
+    replica check runs after the load, whatever it loaded."""
     cfg = trainer.cfg
     tokenizer = tokenizer_identity(trainer.loader.manifest.tokenizer)
 
@@ -29,13 +33,7 @@ def restore_checkpoint(trainer: Any, resume: str | None = None) -> dict[str, Any
     state = trainer.checkpointer.restore(trainer.model, trainer.optimizer, trainer.stepper.scaler,
                                          check=check, resume=resume)
     if state is not None:
-        trainer.step = int(state["step"])
-        trainer.tokens_seen = int(state["tokens_seen"])
-        trainer.run_id = state.get("run_id", trainer.run_id)
-        trainer.loader.load_state_dict(state["loader"])
         reapply_optimizer_hyperparameters(trainer.optimizer, cfg.optim)
-        log.info("resumed from step %d (epoch %d, %d samples consumed)", trainer.step,
-                 trainer.loader.epoch, trainer.loader.consumed)
     check_replicas(trainer.model, trainer.ctx, before_ddp=False)
     return state
 
@@ -48,6 +46,7 @@ def roll_back(trainer: Any, plan: Rollback) -> None:
     if state is None:
         raise UserError(trainer.guard.describe(plan, trainer.loader.order,
                                                "and there is no checkpoint to roll back to"))
+    trainer.apply_resume(state)
     trainer.stepper.judge.reset()
     trainer.guard.rolled_back(plan, trainer.step, trainer.loader.consumed, trainer.loader.order)
     trainer.goodput.redo_after_rollback = detected_at

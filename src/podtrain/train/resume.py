@@ -19,6 +19,7 @@ import torch
 
 from podtrain.config import MATH_KEYS, RunConfig, to_dict
 from podtrain.config_sections import OptimSection
+from podtrain.data.manifest import said_once, tokenizer_identity  # noqa: F401 (the loop's and tests' name)
 from podtrain.errors import UserError
 from podtrain.train.optim import lr_at
 
@@ -26,22 +27,6 @@ log = logging.getLogger("podtrain")
 
 # Keys whose difference says nothing about the training (where it runs, how it reports).
 _NOT_COMPARED = ("run.dir", "ckpt.resume", "ckpt.allow_changes")
-
-
-def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
-    """A short, comparable name of a data manifest's tokenizer: kind, name, vocabulary, hash
-    (``bpe:4096:1f2e...``, ``hf:gpt2:50257:...``: a name that repeats the kind or the vocabulary,
-    as ``bpe:4096`` does, is not said twice)."""
-    digest = str(tokenizer.get("sha256") or "")[:12]
-    return _said_once(f"{tokenizer.get('kind')}:{tokenizer.get('name')}:{tokenizer.get('vocab_size')}"
-                      + (f":{digest}" if digest else ""))
-
-
-def _said_once(identity: str) -> str:
-    """``bpe:bpe:4096:4096:ab`` -> ``bpe:4096:ab``: repeated neighbours dropped (applied to a
-    checkpoint's stored identity too, which older podtrain wrote with the repeats)."""
-    parts = identity.split(":")
-    return ":".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +54,7 @@ def check_resume(saved_state: dict[str, Any], cfg: RunConfig, tokenizer: str | N
         return
     current = flatten(to_dict(cfg))
     if saved_state.get("tokenizer") is not None and tokenizer is not None:
-        saved["data.tokenizer"], current["data.tokenizer"] = _said_once(saved_state["tokenizer"]), tokenizer
+        saved["data.tokenizer"], current["data.tokenizer"] = said_once(saved_state["tokenizer"]), tokenizer
     changes = config_changes(saved, current)
     math = {k: v for k, v in changes.items() if k in MATH_KEYS}
     refused = {k: v for k, v in math.items() if k not in cfg.ckpt.allow_changes}

@@ -61,6 +61,10 @@ def parse_signal(name: str) -> signal.Signals:
     return signal_from_name(name, "ckpt.signals")
 
 
+# The agreed flag's bits (MAX over ranks keeps the save failure, the stronger reason).
+_SIGNALLED, _SAVE_FAILED = 1, 2
+
+
 class StopSignal:
     """Handlers that set a stop flag; ``should_stop`` makes the ranks agree on it."""
 
@@ -77,6 +81,8 @@ class StopSignal:
         # The agreement started at the previous boundary: (work, its recorded entry), or None.
         self._pending: tuple[Any, Any] | None = None
         self._stop_agreed = False
+        self.save_failed_agreed = False
+        """True once the ranks agreed that a background checkpoint failed (they stop with its error)."""
         if threading.current_thread() is not threading.main_thread():
             log.warning("stop signals not installed: only the main thread may set signal handlers")
             return
@@ -126,8 +132,9 @@ class StopSignal:
         """Seconds since this rank received its signal (to log a save against the grace period)."""
         return None if self.received_at is None else time.monotonic() - self.received_at
 
-    def should_stop(self, ctx: DistContext) -> bool:
-        """Every rank, at every step boundary: True on all ranks when any rank got a signal.
+    def should_stop(self, ctx: DistContext, save_failed: bool = False) -> bool:
+        """Every rank, at every step boundary: True on all ranks when any rank got a signal, or
+        reported ``save_failed`` (its background checkpoint failed: then ``save_failed_agreed``).
 
         With a process group the answer is the one agreed at the previous boundary (one step of
         latency, see the module doc): it reads the async all_reduce started then and starts the
@@ -137,29 +144,33 @@ class StopSignal:
         if self._stop_agreed:
             return True  # agreed once: every later boundary stops too, without a collective
         if not ctx.initialized:
-            stop = self.received is not None
+            code = self._local_code(save_failed)
         else:
-            stop = self._agreed()
-            if not stop:
-                self._start_agreement(ctx)
-        self._stop_agreed = stop
-        if stop and ctx.is_main:
+            code = self._agreed()
+            if not code:
+                self._start_agreement(ctx, save_failed)
+        self._stop_agreed = code > 0
+        self.save_failed_agreed = bool(code & _SAVE_FAILED)
+        if code == _SIGNALLED and ctx.is_main:
             name = signal.Signals(self.received).name if self.received else "a signal on another rank"
             log.warning("stop requested (%s): checkpointing and exiting at this step boundary", name)
-        return stop
+        return self._stop_agreed
 
-    def _agreed(self) -> bool:
-        """The value the ranks agreed on at the previous boundary (False at the first)."""
+    def _local_code(self, save_failed: bool) -> int:
+        return (_SIGNALLED if self.received is not None else 0) | (_SAVE_FAILED if save_failed else 0)
+
+    def _agreed(self) -> int:
+        """The value the ranks agreed on at the previous boundary (0 at the first)."""
         if self._pending is None:
-            return False
+            return 0
         work, entry = self._pending
         self._pending = None
         work.wait()  # finished already: every rank passed the previous boundary's gradient sync
         entry.done()
-        return bool(self._flag[0])
+        return int(self._flag[0])
 
-    def _start_agreement(self, ctx: DistContext) -> None:
-        self._flag[0] = 1 if self.received is not None else 0
+    def _start_agreement(self, ctx: DistContext, save_failed: bool = False) -> None:
+        self._flag[0] = self._local_code(save_failed)
         # Recorded with its work object: the watchdog sees an agreement no peer ever joined.
         entry = ctx.recorder.begin("all_reduce", self._flag, caller="StopSignal.should_stop")
         work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx),

@@ -1,0 +1,192 @@
+"""The training state as named tensors, through torch's public state-dict API, for any strategy.
+
+``torch.distributed.checkpoint.state_dict.get_state_dict`` gives the model and the optimizer
+state under the unwrapped parameter NAMES (flattened: ``state.<param>.exp_avg``,
+``param_groups.<param>.lr``), as whole tensors under DDP and as DTensor shards under FSDP2/HSDP.
+A checkpoint stores exactly these names (``model/<name>``, ``optim/state.<param>.<key>``), so a
+DDP checkpoint resumes under FSDP and back, at any world size, with no index remapping; the
+non-tensor optimizer values (learning rate, betas per parameter) go to JSON.
+
+``local_pieces`` says which flat ranges of them this rank writes (``podtrain.ckpt.plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from podtrain.ckpt.plan import shard_range, split_even
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` of parameters shared under two names (a tied LM head), from the module
+    tree, so every rank agrees (pointers of empty shards would not)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+@dataclass
+class NamedState:
+    """A model's and optimizer's state: tensors by checkpoint name, plus JSON-able values."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``model/<name>`` and ``optim/<flattened key>``: whole tensors or DTensors, live (no copy)."""
+    values: dict[str, Any] = field(default_factory=dict)
+    """Non-tensor optimizer entries (``param_groups.<param>.lr``, ...)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    has_optimizer: bool = False
+    model_sd: dict[str, Any] = field(default_factory=dict)
+    optim_sd: dict[str, Any] | None = None
+
+
+def named_state(net: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool | None = None,
+                stored: dict[str, dict] | None = None) -> NamedState:
+    """The state of ``net`` (unwrapped) and ``optimizer`` as live tensors (every rank calls).
+
+    ``with_optimizer`` None: include the optimizer when it has state. An optimizer without state
+    (a save before the first step) is saved as none: ``get_state_dict`` would first create its
+    state with a fake step, which a resumed run would carry where an uninterrupted one has none.
+    When loading, True creates that state to be overwritten: from ``stored`` (the checkpoint's
+    tensor table) when the model is not sharded, else by torch's fake step.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    include = bool(optimizer.state) if with_optimizer is None else with_optimizer
+    if include and stored and not optimizer.state and not any(is_dtensor(p) for p in net.parameters()):
+        _allocate_optimizer_state(net, optimizer, stored)
+    out = NamedState(aliases=tied_aliases(net), has_optimizer=include)
+    if include:
+        out.model_sd, out.optim_sd = get_state_dict(net, optimizer, options=_options())
+    else:
+        out.model_sd = get_model_state_dict(net, options=_options())
+    for name, t in out.model_sd.items():
+        if name not in out.aliases:
+            out.tensors[f"model/{name}"] = t
+    for key, value in (out.optim_sd or {}).items():
+        if isinstance(value, torch.Tensor):
+            out.tensors[f"optim/{key}"] = value
+        else:
+            out.values[key] = value
+    return out
+
+
+def _allocate_optimizer_state(net: nn.Module, optimizer: torch.optim.Optimizer, stored: dict[str, dict]) -> None:
+    """Empty optimizer state tensors where ``Optimizer.load_state_dict`` would put them (the
+    parameter's device; a scalar ``step`` on the CPU unless fused/capturable), so that
+    ``get_state_dict`` need not run its fake step (zero gradients and the step's temporaries:
+    up to 2 x the weights of transient memory)."""
+    from podtrain.ckpt.tensorio import DTYPES
+
+    params = dict(net.named_parameters())
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for name, info in stored.items():
+        if not name.startswith("optim/state."):
+            continue
+        fqn, key = name[len("optim/state."):].rsplit(".", 1)
+        param = params.get(fqn)
+        if param is None or id(param) not in group_of:
+            continue
+        group = group_of[id(param)]
+        on_device = bool(info["shape"]) or group.get("fused") or group.get("capturable")
+        optimizer.state[param][key] = torch.empty(tuple(info["shape"]), dtype=DTYPES[info["dtype"]],
+                                                  device=param.device if on_device else "cpu")
+
+
+def apply_state(net: nn.Module, optimizer: torch.optim.Optimizer, state: NamedState) -> None:
+    """Make the filled targets the model's and optimizer's state (every rank calls).
+
+    Whole tensors were read into the live parameters and optimizer state themselves (what
+    ``get_state_dict`` returns for a module that is not sharded shares their memory), so only the
+    optimizer's per-parameter values are set; ``set_state_dict`` would copy every tensor once
+    more. Sharded (DTensor) state goes through ``set_state_dict``, which owns FSDP2's conventions.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if any(is_dtensor(t) for t in state.tensors.values()):
+        for alias, name in state.aliases.items():
+            if alias in state.model_sd and name in state.model_sd:
+                state.model_sd[alias] = state.model_sd[name]
+        if state.optim_sd is None:
+            set_model_state_dict(net, state.model_sd, options=_options())
+        else:
+            set_state_dict(net, optimizer, model_state_dict=state.model_sd,
+                           optim_state_dict=state.optim_sd, options=_options())
+    elif state.optim_sd is not None:
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        params = dict(net.named_parameters())
+        for key, value in state.values.items():
+            _, rest = key.split(".", 1)  # param_groups.<param name>.<key>
+            fqn, leaf = rest.rsplit(".", 1)
+            if key.startswith("param_groups.") and fqn in params and leaf != "params":
+                group_of[id(params[fqn])][leaf] = tuple(value) if isinstance(value, list) else value
+    if state.optim_sd is None:
+        optimizer.state.clear()  # saved before the first step: it restarts empty, as it did then
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2/HSDP shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def dtensor_range(name: str, t: Any) -> tuple[int, int, bool]:
+    """``(start, count, primary)`` of the flat range of ``t``'s whole tensor this rank's local shard
+    holds; ``primary`` is False on a replica that need not write it (HSDP: the first replica group
+    writes). Only FSDP2's placements are supported: ``Shard(0)`` and ``Replicate``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
+    start, count, primary, sharded = 0, t.numel(), True, False
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            primary = primary and coordinate[dim] == 0
+        elif isinstance(placement, Shard) and placement.dim == 0 and not sharded:
+            start, count = shard_range(tuple(t.shape), coordinate[dim], mesh.size(dim))
+            sharded = True
+        else:
+            raise ValueError(f"{name}: placement {placement} cannot be checkpointed (FSDP2's Shard(0) only)")
+    if t.to_local().numel() != count:
+        raise ValueError(f"{name}: local shard has {t.to_local().numel()} elements, expected {count}")
+    return start, count, primary
+
+
+def flat_local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's local data of ``t`` as a flat tensor (a view when contiguous)."""
+    local = t.to_local() if is_dtensor(t) else t
+    return local.detach().reshape(-1)
+
+
+def plain_plan(tensors: dict[str, torch.Tensor], world: int) -> list[list[tuple[str, int, int]]]:
+    """``split_even`` over the tensors every rank holds whole, in their (agreed) order."""
+    items = [(n, t.numel(), t.element_size()) for n, t in tensors.items() if not is_dtensor(t)]
+    return split_even(items, world)
+
+
+def local_pieces(tensors: dict[str, torch.Tensor], rank: int, world: int) -> list[tuple[str, int, torch.Tensor]]:
+    """What this rank writes: ``(tensor name, first element, flat tensor of the range)``, in order:
+    its DTensor shards (primary replica only), then its share of the whole tensors."""
+    out = []
+    for name, t in tensors.items():
+        if is_dtensor(t):
+            start, count, primary = dtensor_range(name, t)
+            if primary and count:
+                out.append((name, start, flat_local(t)))
+    for name, start, count in plain_plan(tensors, world)[rank]:
+        out.append((name, start, flat_local(tensors[name])[start:start + count]))
+    return out

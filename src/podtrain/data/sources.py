@@ -1,0 +1,136 @@
+"""The prepared datasets one run reads: ``data.path``, or every source of ``data.mix``.
+
+``DataSources`` opens each source's manifest, refuses sources prepared with different tokenizers
+(one line naming both), checks the ids against the model's vocabulary and cuts each split into
+samples (``SampleIndex``). ``MixedIndex`` lays the sources' samples end to end in one global id
+space, which the blend (``data/mixture.py``) draws from.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from podtrain.data.manifest import MANIFEST_NAME, Manifest, check_vocab, read_manifest, tokenizer_identity, \
+    verify_shards
+from podtrain.data.mixture import SourceSpec, parse_mix
+from podtrain.data.samples import SampleIndex
+from podtrain.errors import UserError
+
+# The manifest's tokenizer fields that must agree between sources (files may live elsewhere).
+_TOKENIZER_KEYS = ("kind", "name", "vocab_size", "eos_id", "sha256")
+
+
+def check_one_tokenizer(specs: Sequence[SourceSpec], manifests: Sequence[Manifest]) -> None:
+    """Refuse sources prepared with different tokenizers, naming both sources and tokenizers."""
+    first = manifests[0].tokenizer
+    for spec, manifest in zip(specs[1:], manifests[1:]):
+        if any(manifest.tokenizer.get(k) != first.get(k) for k in _TOKENIZER_KEYS):
+            raise UserError(
+                f"data.mix: {specs[0].path} was prepared with tokenizer {tokenizer_identity(first)} but "
+                f"{spec.path} with {tokenizer_identity(manifest.tokenizer)}: every source must use one "
+                "tokenizer (prepare them again with the same --tokenizer)")
+
+
+class MixedIndex:
+    """Several ``SampleIndex``es as one: source ``i``'s sample ``j`` has global id ``offsets[i] + j``."""
+
+    def __init__(self, indexes: Sequence[SampleIndex]):
+        self.indexes = list(indexes)
+        self.seq_len = self.indexes[0].seq_len
+        self.offsets = np.concatenate([[0], np.cumsum([ix.num_samples for ix in self.indexes])]).astype(np.int64)
+        self.num_samples = int(self.offsets[-1])
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``seq_len + 1`` token ids (int64) for global sample ids, in the given order."""
+        if len(self.indexes) == 1:
+            return self.indexes[0].gather(ids)
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
+        for i in np.unique(source):
+            mask = source == i
+            out[mask] = self.indexes[i].gather(ids[mask] - self.offsets[i])
+        return out
+
+
+class DataSources:
+    """The sources of a run with their manifests and the samples of ``split`` in each.
+
+    Args:
+        specs: the sources (``parse_mix``).
+        seq_len: tokens per training sequence.
+        split: the split to cut into samples (``train``).
+        manifests: already-read manifests, in ``specs`` order (else read here).
+    """
+
+    def __init__(self, specs: Sequence[SourceSpec], seq_len: int, split: str = "train",
+                 manifests: Sequence[Manifest] | None = None):
+        self.specs = list(specs)
+        self.seq_len = seq_len
+        for spec in self.specs:
+            if "://" in spec.path:  # the store can read it, the loader cannot yet (memmapped shards)
+                raise UserError(f"data source {spec.path}: training reads prepared data from a file system "
+                                "(local disk, FSx); copy it there first (aws s3 sync URL DIR), S3 reading is "
+                                "not built yet")
+        self.manifests = list(manifests) if manifests is not None else [read_manifest(s.path) for s in self.specs]
+        check_one_tokenizer(self.specs, self.manifests)
+        self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
+        self.vocab_limit: int | None = None  # the model's vocabulary, once check_vocab has run
+
+    @classmethod
+    def from_config(cls, data, split: str = "train") -> "DataSources":
+        """The sources of a ``DataSection``: ``data.mix``, else ``data.path`` alone."""
+        return cls(parse_mix(data.mix, data.path), data.seq_len, split)
+
+    @property
+    def names(self) -> list[str]:
+        """The sources' ledger names, in ``data.mix`` order."""
+        return [s.name for s in self.specs]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """``{name: weight}`` as configured."""
+        return {s.name: s.weight for s in self.specs}
+
+    def by_source(self, field: str, values: dict[str, float]) -> dict[str, dict[str, float]]:
+        """``{f"{field}_by_source": values}`` for a mixture; nothing for one source (its value is
+        the run's own)."""
+        return {f"{field}_by_source": values} if len(self.specs) > 1 else {}
+
+    @property
+    def manifest(self) -> Manifest:
+        """The first source's manifest (all share its tokenizer)."""
+        return self.manifests[0]
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Every source's tokenizer and recorded ``max_token_id`` fit the model's vocabulary;
+        then every batch read is checked against it too (``SampleIndex.vocab_limit``)."""
+        for manifest in self.manifests:
+            check_vocab(manifest, model_vocab_size)
+        self.vocab_limit = model_vocab_size
+        for index in self.indexes:
+            index.vocab_limit = model_vocab_size
+
+    def verify(self, part: tuple[int, int] = (0, 1)) -> None:
+        """Check shard sizes and checksums of every source (``verify_shards``'s ``part``)."""
+        for manifest in self.manifests:
+            verify_shards(manifest, part=part)
+
+    def val_indexes(self) -> dict[str, SampleIndex]:
+        """``{name: SampleIndex}`` of the validation split of each source that has one."""
+        indexes = {spec.name: SampleIndex(m, "val", self.seq_len)
+                   for spec, m in zip(self.specs, self.manifests) if "val" in m.splits()}
+        for index in indexes.values():
+            index.vocab_limit = self.vocab_limit
+        return indexes
+
+    def describe(self) -> str:
+        """``web (/data/web, weight 3), code (/data/code, weight 1)``; one source: its path."""
+        if len(self.specs) == 1:
+            return self.specs[0].path
+        return ", ".join(f"{s.name} ({s.path}, weight {s.weight:g})" for s in self.specs)
+
+    def manifest_path(self, i: int) -> str:
+        """Where source ``i``'s manifest is (for messages)."""
+        return str(self.manifests[i].root / MANIFEST_NAME)

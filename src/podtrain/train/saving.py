@@ -1,0 +1,70 @@
+"""The loop's side of checkpoints: what it saves, when a save's stall is booked, applying a resume.
+
+``Trainer`` (``podtrain.train.loop``) calls these with itself (not imported: the loop imports
+this module), so the loop stays one screen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.ckpt.state import restore_rng
+from podtrain.config import to_dict
+from podtrain.errors import UserError
+from podtrain.train.guard import weights_finite
+from podtrain.train.resume import tokenizer_identity
+
+log = logging.getLogger("podtrain")
+
+
+def train_state(trainer: Any) -> dict[str, Any]:
+    """What a checkpoint needs beyond weights and optimizer to continue exactly."""
+    return {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "loader": trainer.loader.state_dict(),
+            "run_id": trainer.run_id, "config": to_dict(trainer.cfg),
+            "tokenizer_sha256": trainer.loader.manifest.raw["tokenizer"].get("sha256"),
+            "tokenizer": tokenizer_identity(trainer.loader.manifest.tokenizer)}
+
+
+def save(trainer: Any) -> float:
+    """Checkpoint this step (every rank); returns the step loop's stall in seconds.
+
+    The stall is the host time of ``Checkpointer.save`` plus, on a GPU, the time the optimizer
+    step after the previous save waited on the device for that save's copies (CUDA events, known
+    by now): goodput books it, and ``ckpt.every=auto`` plans with it.
+    """
+    if trainer.cfg.guard.enabled and not weights_finite(trainer.model, trainer.ctx):
+        raise UserError(f"the weights are non-finite at step {trainer.step}: not saved (the last "
+                        "checkpoint stays the newest); lower optim.lr")
+    device_wait = trainer.checkpointer.device_stall_s()
+    t0 = time.perf_counter()
+    trainer.checkpointer.save(trainer.step, trainer.model, trainer.optimizer, trainer.stepper.scaler,
+                              train_state(trainer))
+    host = time.perf_counter() - t0
+    stall = trainer.goodput.add("save_stall", host + device_wait)
+    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "time": time.time()})
+    if trainer.saves.auto:  # rank 0's measurements, so that every rank plans the same steps
+        trainer.saves.saved(trainer.step, *trainer.ctx.broadcast_object((stall, trainer.goodput.step_seconds())))
+    return host
+
+
+def should_stop(trainer: Any) -> bool:
+    """At a step boundary, on every rank: a stop signal, or a failed background save, agreed by
+    all ranks. A failed save raises its one-line ``SaveFailed`` here, on every rank alike."""
+    stop = trainer.stop_signal.should_stop(trainer.ctx, trainer.checkpointer.failed)
+    if stop and trainer.stop_signal.save_failed_agreed:
+        trainer.checkpointer.wait()  # raises the failure (every rank's writer learned the same)
+    return stop
+
+
+def apply_resume(trainer: Any, state: ResumeState) -> None:
+    """Put a restored checkpoint's loop state (step, tokens, data position, RNG) into ``trainer``."""
+    trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
+    trainer.run_id = state.run_id or trainer.run_id
+    trainer.loader.load_state_dict(state.loader)
+    if state.rng is not None:
+        restore_rng(state.rng, trainer.ctx.device)
+    log.info("resumed from step %d (epoch %d, %d samples consumed)", trainer.step,
+             trainer.loader.epoch, trainer.loader.consumed)
