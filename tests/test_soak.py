@@ -22,7 +22,8 @@ SOAK_MINUTES = 1.0
 
 SOAK_SEED = 3
 """The fault plan (timings still vary): kill, enospc, term, then corrupt before the last launch,
-when two checkpoints exist (a corrupted only checkpoint fails today: see notes/reports/soak.md);
+when two checkpoints exist (a corrupted only checkpoint fails today: the fresh start after the
+fall-back finds the replicas differ);
 `bench/soak.py` alone draws a random plan each time."""
 
 SOAK_KINDS = "kill,term,corrupt,enospc"
