@@ -1,0 +1,427 @@
+"""Soak: a 2-rank run survives kill -9, SIGTERM, a corrupted checkpoint and a full disk, bit-exactly.
+
+    python bench/soak.py --minutes 10
+
+First an uninterrupted reference run, then rounds until the time is up (the first always runs).
+Each round is the same config in a fresh run directory on its own small tmpfs, relaunched after
+every fault (`podtrain launch local CONFIG --nproc 2`, auto-resume) until it finishes:
+
+* kill    SIGKILL of one random rank's worker at a random step (mid-step or mid-save);
+* term    SIGTERM to the launcher: podtrain checkpoints that step and exits 143;
+* enospc  at a random step the tmpfs is filled up to a random fraction of one checkpoint, so the
+          save in flight or the next one runs out of space: one line naming the culprit, exit 2;
+          the soak frees the space;
+* corrupt before a relaunch, bytes in the second half of the newest checkpoint's largest data file
+          are inverted: resume must detect it and fall back to the checkpoint before.
+
+Every round has each fault once (``--kinds``), in random order (corrupt before a random relaunch),
+each at least ckpt.every steps past the launch's resume point (so a checkpoint was written). A fault is
+survived when its attempt ended as documented (README's exit codes), the next launch resumed from
+the expected checkpoint (the newest one; for corrupt, the one before) and went past it. At the end
+`podtrain export` of the round and of the reference must hold bit-identical weights, and every
+logged loss (redone steps included) must equal the reference's at that step.
+
+Only podtrain's public surface is used: the CLI, RUN_DIR/ckpt/step_*/, RUN_DIR/ckpt/latest and
+metrics.jsonl. Exit status 0 when every fault kind occurred and was survived and every round
+matched the reference; 1 otherwise. Every wait has a timeout; processes and mounts are cleaned up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import soak_procs as procs
+from soak_verdict import (KINDS, metrics_lines, outcome_problem, print_table, read_metrics, summary,
+                          weights_verdict)
+
+REPO = Path(__file__).resolve().parents[1]
+PODTRAIN = [sys.executable, "-m", "podtrain.cli"]
+
+
+@dataclass
+class Fault:
+    """One injected fault and what became of it."""
+
+    kind: str
+    round: int
+    at_step: int  # the last step logged before it (corrupt: the checkpoint's step)
+    detail: str
+    expected_resume: int | None = None
+    resumed: int | None = None
+    redone: int = 0
+    survived: bool | None = None  # None: not judged yet
+    reason: str = ""
+
+
+@dataclass
+class Attempt:
+    """One launch of a round: how it ended and which steps it logged."""
+
+    fault: str | None
+    code: int
+    wall_s: float
+    steps: list[int] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    output: str = ""
+
+    @property
+    def resumed(self) -> int | None:
+        """The step it resumed from (the step before its first logged one)."""
+        return self.steps[0] - 1 if self.steps else None
+
+
+class Soak:
+    """The reference run, the rounds and the verdict (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.rng = random.Random(args.seed)
+        self.faults: list[Fault] = []
+        self.rounds: list[dict] = []
+        self.active: list[subprocess.Popen] = []
+        self.mounts: list[Path] = []
+        self.ckpt_bytes = 0  # one checkpoint's size, from the reference run
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    # -- launching ---------------------------------------------------------------------------
+    def overrides(self, run_dir: Path, data: Path) -> list[str]:
+        """The config of every run: tiny, few steps, a checkpoint every few steps, one log line
+        per step (so redone steps and their losses are all visible)."""
+        a = self.args
+        return [f"run.dir={run_dir}", f"data.path={data}", f"train.steps={a.steps}",
+                "data.seq_len=64", "train.micro_batch_size=2", f"train.global_batch_size={2 * a.nproc}",
+                "optim.warmup_steps=2", "eval.every=0", f"ckpt.every={a.ckpt_every}", "ckpt.keep_last=2",
+                "log.every=1", "log.progress=plain", "monitor.straggler_every=0"]
+
+    def launch(self, run_dir: Path, data: Path, name: str) -> tuple[subprocess.Popen, Path]:
+        """Start ``podtrain launch local`` in its own session, output to a log file."""
+        out = self.logs / f"{name}.log"
+        cmd = [*PODTRAIN, "launch", "local", str(REPO / "configs/demo.yaml"), "--nproc", str(self.args.nproc),
+               *self.overrides(run_dir, data)]
+        fh = open(out, "w")
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        fh.close()
+        self.active.append(proc)
+        return proc, out
+
+    def wait(self, proc: subprocess.Popen, what: str) -> int:
+        """The launcher's exit code; a launcher still running after the timeout is killed with its
+        whole tree and counts as a hang (code -1)."""
+        try:
+            code = proc.wait(timeout=self.args.attempt_timeout)
+        except subprocess.TimeoutExpired:
+            print(f"soak: {what} still running after {self.args.attempt_timeout} s: killed", flush=True)
+            procs.kill_tree(proc.pid)
+            proc.wait(timeout=30)
+            code = -1
+        self.active.remove(proc)
+        procs.sweep({p.pid for p in self.active})  # a worker a dead agent left behind
+        return code
+
+    def start_export(self, run_dir: Path, out: Path) -> subprocess.Popen:
+        """Start ``podtrain export RUN_DIR OUT``."""
+        proc = subprocess.Popen([*PODTRAIN, "export", str(run_dir), str(out), "--force"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        self.active.append(proc)
+        return proc
+
+    def finish_export(self, proc: subprocess.Popen) -> str | None:
+        """Wait for an export; returns its error output, None on success."""
+        try:
+            out, _ = proc.communicate(timeout=self.args.attempt_timeout)
+        except subprocess.TimeoutExpired:
+            procs.kill_tree(proc.pid)
+            proc.communicate(timeout=30)
+            out = "export timed out"
+        self.active.remove(proc)
+        return None if proc.returncode == 0 else out[-2000:]
+
+    # -- the reference -----------------------------------------------------------------------
+    def reference(self, data: Path) -> dict:
+        """The uninterrupted run: its wall time, losses, checkpoint size and export."""
+        run_dir = self.work / "reference"
+        t0 = time.monotonic()
+        proc, log = self.launch(run_dir, data, "reference")
+        code = self.wait(proc, "the reference run")
+        wall = time.monotonic() - t0
+        if code != 0:
+            raise RuntimeError(f"the reference run failed (exit {code}); see {log}:\n"
+                               f"{log.read_text()[-3000:]}")
+        steps, losses = read_metrics(run_dir, 0)
+        newest = procs.step_dirs(run_dir)[procs.latest_step(run_dir)]
+        # Exported while the first round starts up (mostly one process importing at a time).
+        exporting = self.start_export(run_dir, self.work / "export_reference")
+        return {"wall_s": wall, "losses": losses, "ckpt_bytes": procs.dir_bytes(newest),
+                "export": self.work / "export_reference", "exporting": exporting}
+
+    # -- one round ---------------------------------------------------------------------------
+    def round(self, index: int, data: Path, ref: dict) -> dict:
+        """A fresh faulted run to the end, then its export compared with the reference's."""
+        run_dir = self.work / f"round{index}"
+        self.ckpt_bytes = ckpt = ref["ckpt_bytes"]
+        if "enospc" in self.args.kinds:
+            procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
+            self.mounts.append(run_dir)
+        started = time.monotonic()
+        ending = [k for k in KINDS if k != "corrupt" and k in self.args.kinds]
+        plan = self.rng.sample(ending, len(ending)) + [None]
+        # Before the relaunch after a random one of the other faults (never: not selected).
+        corrupt_before = self.rng.randrange(1, len(plan)) if "corrupt" in self.args.kinds else len(plan)
+        pending: list[Fault] = []
+        attempts: list[Attempt] = []
+        for n, kind in enumerate(plan):
+            if n >= corrupt_before and not any(f.kind == "corrupt" and f.round == index for f in self.faults):
+                pending += self.corrupt(run_dir, index)
+            attempt, fault = self.attempt(run_dir, data, index, n, kind, pending)
+            attempts.append(attempt)
+            (run_dir / "filler").unlink(missing_ok=True)
+            if fault is not None:
+                self.faults.append(fault)
+                fault.at_step = max(attempt.steps, default=fault.at_step)
+                latest = procs.latest_step(run_dir)
+                if fault.survived is None:
+                    fault.expected_resume = latest
+                    if kind == "term" and latest != max(attempt.steps, default=0):
+                        fault.survived, fault.reason = False, (f"latest names step {latest}, but the run "
+                                                               f"stopped at step {max(attempt.steps)}")
+            # This launch's resume judged the faults before it; the fault that ended it is next.
+            pending = [fault] if fault is not None and fault.survived is None else []
+            if attempt.code == -1 or (kind is None and attempt.code != 0):
+                break  # a hang or a failed final launch: the round cannot finish
+        wall = time.monotonic() - started
+        for f in pending:
+            f.survived, f.reason = False, "the round ended before a relaunch could resume"
+        result = self.compare(index, run_dir, attempts, ref)
+        if run_dir in self.mounts:
+            procs.unmount(run_dir)
+            self.mounts.remove(run_dir)
+        result.update(wall_s=wall, job_s=sum(a.wall_s for a in attempts), attempts=len(attempts),
+                      launches=[{"ended_by": a.fault or "end", "code": a.code, "wall_s": round(a.wall_s, 1),
+                                 "steps": [a.steps[0], a.steps[-1]] if a.steps else []} for a in attempts])
+        result["lost_s"] = result["job_s"] - ref["wall_s"]
+        return result
+
+    def corrupt(self, run_dir: Path, index: int) -> list[Fault]:
+        """Corrupt the newest checkpoint; the next launch must resume from the one before."""
+        latest = procs.latest_step(run_dir)
+        dirs = procs.step_dirs(run_dir)
+        if latest == 0 or latest not in dirs:
+            return []  # nothing saved yet: corrupt before the next relaunch instead
+        target, offset = procs.corrupt_largest_data_file(dirs[latest], self.rng)
+        fault = Fault("corrupt", index, latest, f"{target.relative_to(run_dir)} at byte {offset}",
+                      expected_resume=max([s for s in dirs if s < latest], default=0))
+        self.faults.append(fault)
+        return [fault]
+
+    def attempt(self, run_dir: Path, data: Path, index: int, n: int, kind: str | None,
+                pending: list[Fault]) -> tuple[Attempt, Fault | None]:
+        """One launch: inject ``kind`` into it (None: let it finish), then judge the faults that
+        this launch's resume decides (``pending``)."""
+        offset = metrics_lines(run_dir)
+        t0 = time.monotonic()
+        proc, log = self.launch(run_dir, data, f"round{index}_attempt{n}_{kind or 'final'}")
+        fault = None
+        if kind is not None:
+            fault = self.fault_at_random_step(proc, run_dir, offset, index, kind)
+        code = self.wait(proc, f"round {index} attempt {n}")
+        wall = time.monotonic() - t0
+        steps, losses = read_metrics(run_dir, offset)
+        output = log.read_text(errors="replace")
+        attempt = Attempt(kind, code, wall, steps, losses, output)
+        if fault is not None and fault.survived is None:
+            fault.survived, fault.reason = outcome_problem(kind, code, output)
+        self.judge(pending, attempt)
+        if kind is None and code != 0:
+            print(f"soak: round {index}: the final launch exited {code}; see {log}", flush=True)
+        return attempt, fault
+
+    def fault_at_random_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
+                             kind: str) -> Fault:
+        """Wait for a random step past the resume point, then kill -9 a random rank, SIGTERM the
+        launcher, or fill the disk (its next save, or the one in flight, runs out of space)."""
+        # At least ckpt.every steps past the resume point, so the launch saves at least once.
+        hold = self.rng.randint(self.args.ckpt_every, 2 * self.args.ckpt_every - 1)
+
+        def reached() -> bool:
+            steps, _ = read_metrics(run_dir, offset)
+            last = self.args.steps - self.args.ckpt_every  # well before the end: the fault lands
+            return proc.poll() is not None or (bool(steps) and max(steps) >= min(last, steps[0] + hold))
+
+        if not procs.wait_for(reached, self.args.attempt_timeout) or proc.poll() is not None:
+            return Fault(kind, index, 0, "the run ended or stalled before the fault", survived=False,
+                         reason="never reached the planned step")
+        at = max(read_metrics(run_dir, offset)[0])
+        if kind == "term":
+            proc.send_signal(signal.SIGTERM)
+            return Fault(kind, index, at, "SIGTERM to the launcher")
+        if kind == "enospc":
+            leave = int(self.ckpt_bytes * self.rng.uniform(0.2, 0.8))
+            procs.fill(run_dir / "filler", leave)
+            return Fault(kind, index, at, f"disk filled at step {at}, {leave >> 20} MiB left")
+        time.sleep(self.rng.uniform(0.0, 0.3))  # anywhere in a step, or in a save
+        rank = self.rng.randrange(self.args.nproc)
+        pid = procs.worker_pids(proc.pid).get(rank)
+        if pid is None:
+            return Fault(kind, index, at, f"rank {rank} not found", survived=False, reason="no worker to kill")
+        os.kill(pid, signal.SIGKILL)
+        return Fault(kind, index, at, f"SIGKILL to rank {rank} (pid {pid})")
+
+    def judge(self, pending: list[Fault], attempt: Attempt) -> None:
+        """The faults before this launch are survived when it resumed where expected and went on."""
+        resumed = attempt.resumed
+        corrupt = next((f for f in pending if f.kind == "corrupt"), None)
+        for f in pending:
+            if corrupt is not None:  # the checkpoint this fault would resume from was corrupted
+                f.expected_resume = corrupt.expected_resume
+            f.resumed = resumed
+            if resumed is None:
+                f.survived, f.reason = False, f"the next launch logged no step (exit {attempt.code})"
+            elif resumed != f.expected_resume:
+                f.survived, f.reason = False, f"resumed from step {resumed}, expected {f.expected_resume}"
+            elif max(attempt.steps) <= resumed:
+                f.survived, f.reason = False, "the next launch made no progress"
+            else:
+                f.survived = True
+        for f in pending:
+            # Steps run twice: the fault that ended the last launch redoes back to the newest
+            # checkpoint; a corruption costs the steps between that and the one before.
+            if f.kind == "corrupt" and resumed is not None:
+                f.redone = max(0, f.at_step - resumed)
+            elif resumed is not None:
+                back_to = corrupt.at_step if corrupt is not None else resumed
+                f.redone = max(0, f.at_step - back_to)
+
+    # -- comparison --------------------------------------------------------------------------
+    def compare(self, index: int, run_dir: Path, attempts: list[Attempt], ref: dict) -> dict:
+        """Weights (via ``podtrain export``) and every logged loss against the reference."""
+        result = {"round": index, "weights": "not compared", "losses": "not compared"}
+        if not attempts or attempts[-1].code != 0:
+            return result
+        out = self.work / f"export_round{index}"
+        error = self.finish_export(self.start_export(run_dir, out))
+        if ref["exporting"] is not None:
+            ref_error, ref["exporting"] = self.finish_export(ref["exporting"]), None
+            if ref_error:
+                raise RuntimeError(f"export of the reference failed: {ref_error}")
+        result["weights"] = f"export failed: {error}" if error else weights_verdict(ref["export"], out)
+        mismatched = [(s, loss, ref["losses"].get(s)) for a in attempts for s, loss in a.losses.items()
+                      if ref["losses"].get(s) != loss]
+        logged = sum(len(a.losses) for a in attempts)
+        result["losses"] = ("identical" if not mismatched else
+                            f"{len(mismatched)}/{logged} differ, first at step {mismatched[0][0]}: "
+                            f"{mismatched[0][1]!r} vs reference {mismatched[0][2]!r}")
+        result["logged_steps"] = logged
+        return result
+
+    def cleanup(self) -> None:
+        """Kill whatever is still running, unmount what is mounted."""
+        for proc in list(self.active):
+            procs.kill_tree(proc.pid)
+            proc.wait(timeout=30)
+        procs.sweep(set())
+        for path in list(self.mounts):
+            procs.unmount(path)
+
+
+def prepare_data(work: Path, timeout: float) -> Path:
+    """A small byte-level corpus from `podtrain prepare builtin`."""
+    out = work / "data"
+    done = subprocess.run([*PODTRAIN, "prepare", "builtin", "--out", str(out), "--builtin-bytes", "300000",
+                    "--val-fraction", "0.1", "--workers", "1", "--no-progress"], cwd=REPO, capture_output=True,
+                   text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"podtrain prepare failed: {(done.stdout + done.stderr)[-2000:]}")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="time budget: new rounds start while one more fits (the first always runs)")
+    p.add_argument("--steps", type=int, default=24, help="train.steps of every run (default 24)")
+    p.add_argument("--ckpt-every", type=int, default=4, help="ckpt.every (default 4)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the fault plan (default: random, printed; timings vary regardless)")
+    p.add_argument("--data", type=Path, help="a prepared data directory (default: prepare a small one)")
+    p.add_argument("--attempt-timeout", type=float, default=300.0,
+                   help="seconds any one launch, export or wait may take before it counts as a hang")
+    p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"comma-separated fault kinds of every round (default {','.join(KINDS)})")
+    args = p.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.randrange(1 << 31)
+    if args.steps < 6 * args.ckpt_every:
+        p.error(f"--steps must be at least 6 x --ckpt-every ({6 * args.ckpt_every}) to fit a round's faults")
+    chosen = set(filter(None, args.kinds.split(",")))
+    unknown = chosen - set(KINDS)
+    args.kinds = [k for k in KINDS if k in chosen]
+    if unknown or not args.kinds:
+        p.error(f"--kinds: choose from {', '.join(KINDS)} (got {', '.join(sorted(unknown)) or 'none'})")
+    if args.kinds == ["corrupt"]:
+        p.error("--kinds: corrupt needs another kind (a checkpoint is corrupted between launches)")
+    return args
+
+
+def _stop(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak; 0 when it passed."""
+    args = parse_args(argv)
+    if "enospc" in args.kinds:
+        procs.reexec_in_mount_namespace()
+    procs.become_subreaper()
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, _stop)
+    start = time.monotonic()
+    deadline = start + args.minutes * 60
+    work = Path(tempfile.mkdtemp(prefix="podtrain-soak-"))
+    soak = Soak(args, work)
+    try:
+        data = args.data or prepare_data(work, args.attempt_timeout)
+        ref = soak.reference(data)
+        print(f"soak: reference run of {args.steps} steps took {ref['wall_s']:.1f} s", flush=True)
+        while True:
+            t0 = time.monotonic()
+            result = soak.round(len(soak.rounds) + 1, data, ref)
+            soak.rounds.append(result)
+            print(f"soak: round {result['round']}: {result['attempts']} launches, {result['job_s']:.1f} s, "
+                  f"weights {result['weights']}", flush=True)
+            if time.monotonic() + (time.monotonic() - t0) > deadline:
+                break
+        figures, problems = summary(soak, ref, time.monotonic() - start)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        print(f"soak: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        soak.cleanup()
+        if args.keep:
+            print(f"soak: work directory kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print_table(figures)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
