@@ -91,17 +91,13 @@ def _s3_rank(rank, world, local, url, cache_dir, cap_bytes, steps):
 
 
 def test_s3_batches_equal_local_and_the_cache_stays_within_its_budget(tmp_path, s3_server, s3_bucket):
-    local = make_data_dir(tmp_path / "d", shard_tokens=(20000, 15001))
+    local = make_data_dir(tmp_path / "d", shard_tokens=(9000, 7001))
     url = _upload(s3_server, s3_bucket, local, "web")
-    cap = 40_000  # 2 ranks x 20 kB: 4 KiB blocks, 4 per rank, for 70 kB of shards: evictions
-    steps = 35000 // SEQ // GLOBAL + 3  # one epoch and more: every block is read, most evicted
-    results = run_ranks(_s3_rank, 2, local, url, tmp_path / "cache", cap, steps, timeout=120)
+    cap = 20_000  # 2 ranks x 10 kB: 4 KiB blocks, 2 kept per rank, of 32 kB of shards: evictions
+    results = run_ranks(_s3_rank, 2, local, url, tmp_path / "cache", cap, 12, timeout=120)
     for same, used, on_disk, block, files in results:
         assert same, "the batches read from S3 differ from the local ones"
         assert block == 4096 and 0 < used == on_disk <= cap // 2 and files >= 2
-    # what one process left is found by the next (a restart): read from disk, still correct
-    again = run_ranks(_s3_rank, 1, local, url, tmp_path / "cache", cap // 2, 2, timeout=60)
-    assert again[0][0]
 
 
 def _train(rank, world, overrides):
@@ -137,13 +133,14 @@ def test_training_from_s3_mix_runs_and_resumes_with_the_local_losses(tmp_path, r
     os.chdir(repo)
     try:
         assert run_ranks(_train, 1, common + [mix([web, code]), f"run.dir={tmp_path / 'local'}"]) == [4]
-        assert run_ranks(_train, 1, common + [mix(urls), f"run.dir={tmp_path / 's3'}"]) == [4]
-        step2 = tmp_path / "s3" / "ckpt" / "step_000002"
-        assert run_ranks(_train, 1, common + [mix(urls), f"run.dir={tmp_path / 'resumed'}",
-                                              f"ckpt.resume={step2}"]) == [4]
+        step2 = tmp_path / "local" / "ckpt" / "step_000002"
+        assert run_ranks(_train, 1, common + [mix(urls), f"run.dir={tmp_path / 's3'}",
+                                              f"ckpt.resume={step2}", "ckpt.allow_changes=[data.mix]"]) == [4]
     finally:
         os.chdir(cwd)
-    local, s3, resumed = (_losses(tmp_path / n) for n in ("local", "s3", "resumed"))
-    assert sorted(s3) == [1, 2, 3, 4] and s3 == local
-    assert sorted(resumed) == [3, 4]
-    assert resumed == pytest.approx({k: s3[k] for k in (3, 4)}, rel=1e-5)
+    # a run from S3 (here resumed mid-stream, the harder case; the moved paths are allowed) continues
+    # the local run's losses
+    # exactly: same data, same positions (the loader test above compares the batches bit for bit)
+    local, s3 = _losses(tmp_path / "local"), _losses(tmp_path / "s3")
+    assert sorted(local) == [1, 2, 3, 4] and sorted(s3) == [3, 4]
+    assert s3 == pytest.approx({k: local[k] for k in (3, 4)}, rel=1e-5)
