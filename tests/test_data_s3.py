@@ -56,9 +56,11 @@ def test_a_split_is_one_stream_whatever_the_shard_cuts(tmp_path):
     crossing = [i for ids, _ in a for i in ids if (i * SEQ) // 1000 != (i * SEQ + SEQ) // 1000]
     assert crossing, "no window crossed a shard edge"
     # a checkpoint from the per-shard windowing: refused in one line where the samples changed ...
-    old = {"consumed": 16, "samples_per_epoch": ld.samples_per_epoch, "seed": 3}
+    per_shard = (1000 - 1) // SEQ + (777 - 1) // SEQ + (1500 - 1) // SEQ  # that podtrain's count
+    old = {"consumed": 16, "samples_per_epoch": per_shard, "seed": 3}
     with pytest.raises(UserError, match="cut samples from each shard of .*merged.*one token stream"):
         ShardedLoader(merged, SEQ, GLOBAL, MICRO, 0, 1, seed=3).load_state_dict(old)
+    old["samples_per_epoch"] = ld.samples_per_epoch  # one shard: (3277 - 1) // SEQ either way
     # ... and resumed unchanged where the split is one shard (the windows are the same)
     resumed = ShardedLoader(one, SEQ, GLOBAL, MICRO, 0, 1, seed=3)
     resumed.load_state_dict(old)
@@ -94,6 +96,8 @@ def test_s3_batches_equal_local_and_the_cache_stays_within_its_budget(tmp_path, 
     local = make_data_dir(tmp_path / "d", shard_tokens=(9000, 7001))
     url = _upload(s3_server, s3_bucket, local, "web")
     cap = 20_000  # 2 ranks x 10 kB: 4 KiB blocks, 2 kept per rank, of 32 kB of shards: evictions
+    with pytest.raises(AssertionError, match=f"UserError: s3://{s3_bucket}/nothing/manifest.json is missing: "):
+        run_ranks(_s3_rank, 1, local, f"s3://{s3_bucket}/nothing", tmp_path / "cache", cap, 1, timeout=60)
     results = run_ranks(_s3_rank, 2, local, url, tmp_path / "cache", cap, 12, timeout=120)
     for same, used, on_disk, block, files in results:
         assert same, "the batches read from S3 differ from the local ones"

@@ -170,11 +170,11 @@ class ShardedLoader:
     def _check_sizes(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint whose sources have other sample counts (other data or seq_len)."""
         saved = state.get("sources")
-        if "windows" not in state and (saved is not None or "samples_per_epoch" in state):
-            check_shard_windows(self.sources)
         if saved is None and "samples_per_epoch" in state:  # a checkpoint from before data.mix
             saved = {self.sources.names[0]: state["samples_per_epoch"]} if len(self.sources.names) == 1 else {}
         for i, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes)):
+            if name in (saved or {}) and "windows" not in state and len(index.shards) > 1:
+                check_shard_windows(self.sources.manifests[i], index, saved[name])
             if name in (saved or {}) and saved[name] != index.num_samples:
                 raise UserError(
                     f"data in {self.sources.manifests[i].root} has {index.num_samples} samples per epoch but "
@@ -271,16 +271,17 @@ class ShardedLoader:
             self._stream = None
 
 
-def check_shard_windows(sources: DataSources) -> None:
-    """Refuse, in one line, a checkpoint from before samples were cut from each split as one
-    token stream, when that changed its samples: a split of several shards (one shard gives the
-    same windows either way, so such checkpoints resume unchanged)."""
-    for manifest, index in zip(sources.manifests, sources.indexes):
-        if len(index.shards) > 1:
-            raise UserError(
-                f"the checkpoint was made by a podtrain that cut samples from each shard of {manifest.root} "
-                "separately; this one reads a split as one token stream, so its samples differ and resuming "
-                "would repeat and skip data: finish that run with the podtrain that started it, or start anew")
+def check_shard_windows(manifest: Manifest, index: SampleIndex, saved_samples: int) -> None:
+    """Refuse, in one line, a checkpoint of a split of several shards made before samples were cut
+    from a split as one token stream (its samples differ; a split of one shard gives the same
+    windows either way, so those checkpoints resume unchanged). Recognised by that podtrain's
+    sample count, one window run per shard; another count is other data (refused by the caller)."""
+    per_shard = sum(max(0, (s.tokens - 1) // index.seq_len) for s in index.shards)
+    if saved_samples == per_shard:
+        raise UserError(
+            f"the checkpoint was made by a podtrain that cut samples from each shard of {manifest.root} "
+            "separately; this one reads a split as one token stream, so its samples differ and resuming "
+            "would repeat and skip data: finish that run with the podtrain that started it, or start anew")
 
 
 def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 50_000_000) -> float:
