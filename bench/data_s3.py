@@ -90,7 +90,7 @@ def main() -> None:
         print(f"  {name:6s} data wait {wait:7.3f} ms/step ({100 * share:.3f}% of step time), "
               f"{tps:>9,.0f} tokens/s, first step waited {first:7.1f} ms")
     (lw, ls, lt, _), (sw, ss, st, _) = figures["local"], figures["s3"]
-    print(f"S3 / local: tokens/s {st / lt:.3f}x; data wait share of step time {100 * ss:.3f}% vs "
+    print(f"S3 / local: tokens/s {st / lt:.3f}x; data wait per step {sw / lw:.2f}x ({sw - lw:+.3f} ms); data wait share of step time {100 * ss:.3f}% vs "
           f"{100 * ls:.3f}% (difference {100 * (ss - ls):+.3f} points of step time; goal: within 5%)")
 
 
