@@ -235,7 +235,7 @@ def validate(cfg: RunConfig) -> None:
         "data.num_workers": cfg.data.num_workers, "monitor.straggler_every": cfg.monitor.straggler_every,
         "optim.weight_decay": cfg.optim.weight_decay,
         "ckpt.keep_last": cfg.ckpt.keep_last, "guard.spike_factor": cfg.guard.spike_factor,
-        "ckpt.mtbf_h": cfg.ckpt.mtbf_h,
+        "ckpt.mtbf_h": cfg.ckpt.mtbf_h, "data.cache_gb": cfg.data.cache_gb,
     }
     for key, value in non_negative.items():
         if value < 0:

@@ -54,6 +54,12 @@ class DataSection:
     verify: bool = True
     """Check every shard's SHA-256 against the manifest at start (rank 0 reads all the data once:
     turn off for very large corpora)."""
+    cache_dir: str = ""
+    """s3:// data: local folder caching the shards' blocks (node-local disk, not shared storage);
+    empty: $PODTRAIN_CACHE/data, else ~/.cache/podtrain/data."""
+    cache_gb: float = 20.0
+    """s3:// data: most GB the block cache keeps per node (split between its ranks; least
+    recently used blocks are evicted)."""
 
 
 @dataclass

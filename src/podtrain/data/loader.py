@@ -2,8 +2,10 @@
 
 The model of the data (one picture to hold in your head):
 
-* A split's shards are memory-mapped (zero copy). Sample ``i`` is a window of ``seq_len + 1``
-  tokens; consecutive windows of a shard overlap by one token, so every token is a target once.
+* A split's shards are memory-mapped (zero copy), or read from S3 through a block cache
+  (``data/cache.py``). The split is one token stream (its shards end to end): sample ``i`` is the
+  window of ``seq_len + 1`` tokens from ``i * seq_len``; consecutive windows overlap by one token, so
+  every token is a target once, and a window may cross a shard edge.
   Documents are packed: EOS separates them and a window may span two documents.
 * All epochs form one **stream**: stream position ``p`` holds sample ``perm(seed, e)[p % N]``
   with ``e = p // N``, where ``perm`` is a permutation that is a pure function of (seed, epoch).
@@ -34,7 +36,7 @@ import torch
 
 from podtrain.data.manifest import Manifest
 from podtrain.data.mixture import Blend, MixOrder, ledger, parse_mix, restore_blend, segment_state
-from podtrain.data.samples import GlobalOrder
+from podtrain.data.samples import GlobalOrder, SampleIndex
 from podtrain.data.sources import DataSources, MixedIndex
 from podtrain.errors import UserError
 
@@ -119,6 +121,7 @@ class ShardedLoader:
         self.rank, self.world_size = rank, world_size
         self.prefetch, self.num_workers, self.pin_memory = prefetch, num_workers, pin_memory
         self.consumed = 0  # stream positions consumed by steps handed to the trainer
+        self._remote = any(ix.tokens.remote for ix in self.sources.indexes)
         self._stream: Iterator[StepBatch] | None = None
         self._stop: threading.Event | None = None  # the running producer's own (one per stream)
         self._thread: threading.Thread | None = None
@@ -147,7 +150,7 @@ class ShardedLoader:
                 "samples_per_epoch": self.index.num_samples, "seed": self.order.seed,
                 "mix": segment_state(names, [s.weight for s in self.sources.specs], self.order.blend),
                 "sources": {n: ix.num_samples for n, ix in zip(names, self.sources.indexes)},
-                "ledger": self.ledger()}
+                "ledger": self.ledger(), "windows": SampleIndex.WINDOWS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved state (before the first ``next``); a state with only
@@ -170,6 +173,8 @@ class ShardedLoader:
         if saved is None and "samples_per_epoch" in state:  # a checkpoint from before data.mix
             saved = {self.sources.names[0]: state["samples_per_epoch"]} if len(self.sources.names) == 1 else {}
         for i, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes)):
+            if name in (saved or {}) and "windows" not in state and len(index.shards) > 1:
+                check_shard_windows(self.sources.manifests[i], index, saved[name])
             if name in (saved or {}) and saved[name] != index.num_samples:
                 raise UserError(
                     f"data in {self.sources.manifests[i].root} has {index.num_samples} samples per epoch but "
@@ -189,6 +194,12 @@ class ShardedLoader:
             rows = rows.pin_memory()
         micro = list(rows.split(self.micro_batch_size))
         return StepBatch(micro, ids, start + self.global_batch_size)
+
+    def warm(self, start: int) -> None:
+        """Start reading the data of the batch at stream position ``start`` (S3 sources; returns at once)."""
+        if self._remote:
+            positions = rank_slice(self.global_batch_size, self.world_size, self.rank)
+            self.index.warm(self.order.ids(start + positions.start, positions.stop - positions.start))
 
     def _thread_stream(self) -> Iterator[StepBatch]:
         # Each stream has its own queue and stop event: a producer that close() could not join
@@ -210,7 +221,10 @@ class ShardedLoader:
         def produce() -> None:
             pos = start
             try:
-                while not stop.is_set() and hand_over(self.build(pos)):
+                while not stop.is_set():
+                    self.warm(pos + self.global_batch_size)  # S3: fetch the next batch's blocks meanwhile
+                    if not hand_over(self.build(pos)):
+                        break
                     pos += self.global_batch_size
             except BaseException as exc:  # hand the failure to the consumer instead of hanging it
                 hand_over(exc)
@@ -257,19 +271,26 @@ class ShardedLoader:
             self._stream = None
 
 
+def check_shard_windows(manifest: Manifest, index: SampleIndex, saved_samples: int) -> None:
+    """Refuse, in one line, a checkpoint of a split of several shards made before samples were cut
+    from a split as one token stream (its samples differ; a split of one shard gives the same
+    windows either way, so those checkpoints resume unchanged). Recognised by that podtrain's
+    sample count, one window run per shard; another count is other data (refused by the caller)."""
+    per_shard = sum(max(0, (s.tokens - 1) // index.seq_len) for s in index.shards)
+    if saved_samples == per_shard:
+        raise UserError(
+            f"the checkpoint was made by a podtrain that cut samples from each shard of {manifest.root} "
+            "separately; this one reads a split as one token stream, so its samples differ and resuming "
+            "would repeat and skip data: finish that run with the podtrain that started it, or start anew")
+
+
 def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 50_000_000) -> float:
     """Entropy in nats of the split's token frequencies (over its first ``max_tokens`` tokens).
 
     The loss a model would reach by predicting every token from its frequency alone: a trained
     model must get clearly below it to have learnt anything about context.
     """
-    counts = np.zeros(manifest.vocab_size, dtype=np.int64)
-    budget = max_tokens
-    for shard in manifest.shards(split):
-        if budget <= 0:
-            break
-        tokens = np.memmap(shard.path, dtype=manifest.dtype, mode="r")[:budget]
-        counts += np.bincount(tokens, minlength=manifest.vocab_size)[:manifest.vocab_size]
-        budget -= len(tokens)
+    tokens = manifest.head_tokens(split, max_tokens)
+    counts = np.bincount(tokens, minlength=manifest.vocab_size)[:manifest.vocab_size]
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

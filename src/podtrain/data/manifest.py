@@ -24,10 +24,15 @@ The manifest (JSON)::
 A document may continue from one shard into the next (shards have a fixed token count); a split
 is the concatenation of its shards in order. ``documents`` counts the EOS ids in a shard.
 ``max_token_id`` lets a run check the ids against its model's vocabulary without reading shards.
+A shard's ``file`` may name a folder (``parts/00001-of-00004/train_00000.bin``: a merged
+``prepare --num-parts``). ``DATA_DIR`` may be ``s3://bucket/prefix``: the manifest, tokenizer and
+shards are then read through ``podtrain.storage`` (the loader's shard reads go through
+``data/cache.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,29 +42,54 @@ import numpy as np
 
 from podtrain.errors import UserError
 from podtrain.fsutil import sha256_file
+from podtrain.storage import NoSuchBucket, NotFound, Store, is_s3_url, open_store
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "podtrain-shards/1"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
+class RemotePath(str):
+    """An ``s3://`` location that joins like a ``Path`` (``root / "manifest.json"``), so messages and
+    shard names read the same for local and S3 data."""
+
+    def __truediv__(self, other: str) -> "RemotePath":
+        return RemotePath(self.rstrip("/") + "/" + str(other))
+
+    @property
+    def name(self) -> str:
+        """The last component."""
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+
 @dataclass(frozen=True)
 class Shard:
     """One binary file of token ids."""
 
-    path: Path
+    path: Path | RemotePath
     tokens: int
     documents: int
     sha256: str
     max_token_id: int | None = None
+    name: str = ""
+    """The manifest's ``file``: relative to the data directory (the store's name of the shard)."""
 
 
 @dataclass(frozen=True)
 class Manifest:
     """A parsed, checked manifest of a data directory."""
 
-    root: Path
+    root: Path | RemotePath
     raw: dict[str, Any]
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the data lives on S3 (read through the store, not memory-mapped)."""
+        return isinstance(self.root, RemotePath)
+
+    def store(self) -> Store:
+        """The data directory as a ``Store`` (no request is made until it is used)."""
+        return open_store(str(self.root))
 
     @property
     def dtype(self) -> np.dtype:
@@ -91,8 +121,35 @@ class Manifest:
             raise UserError(f"{self.root / MANIFEST_NAME}: no {split!r} split "
                             f"(has {', '.join(self.splits()) or 'none'})")
         return [Shard(self.root / s["file"], int(s["tokens"]), int(s["documents"]), s["sha256"],
-                      None if s.get("max_token_id") is None else int(s["max_token_id"]))
+                      None if s.get("max_token_id") is None else int(s["max_token_id"]), s["file"])
                 for s in self.raw["splits"][split]["shards"]]
+
+    def head_tokens(self, split: str, max_tokens: int) -> np.ndarray:
+        """The first ``max_tokens`` tokens of ``split`` (fewer when it is shorter), as the shards'
+        dtype: memory-mapped locally, range reads on S3."""
+        parts, budget = [], max_tokens
+        store = self.store() if self.is_remote else None
+        for shard in self.shards(split):
+            if budget <= 0:
+                break
+            if store is None:
+                tokens = np.asarray(np.memmap(shard.path, dtype=self.dtype, mode="r")[:budget])
+            else:
+                tokens = np.empty(min(budget, shard.tokens), dtype=self.dtype)
+                store.read_into(shard.name, 0, tokens)
+            parts.append(tokens)
+            budget -= len(tokens)
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+    def read_file(self, name: str) -> bytes:
+        """A file of the data directory (a tokenizer file); a missing one is a one-line error."""
+        try:
+            return self.store().read_bytes(name)
+        except NoSuchBucket:
+            raise
+        except NotFound:
+            raise UserError(f"{self.root / name} is missing (tokenizer of {self.root})") from None
+
 
 
 def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
@@ -113,14 +170,25 @@ def said_once(identity: str) -> str:
 
 def read_manifest(data_dir: str | Path) -> Manifest:
     """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error."""
-    root = Path(data_dir)
-    path = root / MANIFEST_NAME
-    if not root.exists():
-        raise UserError(f"data directory {root} does not exist (run `podtrain prepare ... --out {root}`)")
-    if not path.is_file():
-        raise UserError(f"{path} is missing: {root} is not a finished `podtrain prepare` output")
+    if is_s3_url(data_dir):
+        root: Path | RemotePath = RemotePath(str(data_dir).rstrip("/"))
+        path = root / MANIFEST_NAME
+        try:
+            text = open_store(root).read_bytes(MANIFEST_NAME).decode("utf-8", "replace")
+        except NoSuchBucket:
+            raise
+        except NotFound:
+            raise UserError(f"{path} is missing: {root} is not a finished `podtrain prepare` output") from None
+    else:
+        root = Path(data_dir)
+        path = root / MANIFEST_NAME
+        if not root.exists():
+            raise UserError(f"data directory {root} does not exist (run `podtrain prepare ... --out {root}`)")
+        if not path.is_file():
+            raise UserError(f"{path} is missing: {root} is not a finished `podtrain prepare` output")
+        text = path.read_text()
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -144,19 +212,42 @@ def verify_shards(manifest: Manifest, splits: list[str] | None = None,
     index, count = part
     shards = [s for split in (splits if splits is not None else manifest.splits())
               for s in manifest.shards(split)]
+    sizes = shard_sizes(manifest, shards)
     for shard in shards[index::count]:
         expected = shard.tokens * manifest.dtype.itemsize
-        try:
-            size = shard.path.stat().st_size
-        except OSError:
+        size = sizes.get(shard.name)
+        if size is None:
             raise UserError(f"shard {shard.path} is missing (listed in {manifest.root / MANIFEST_NAME}); "
-                            "run `podtrain prepare` again") from None
+                            "run `podtrain prepare` again")
         if size != expected:
             raise UserError(f"shard {shard.path} has {size} bytes, the manifest says {expected}; "
                             "run `podtrain prepare` again")
-        if sha256_file(shard.path) != shard.sha256:
+        if _sha256(manifest, shard) != shard.sha256:
             raise UserError(f"shard {shard.path}: sha256 does not match {manifest.root / MANIFEST_NAME} "
                             "(file corrupted or changed); run `podtrain prepare` again")
+
+
+def shard_sizes(manifest: Manifest, shards: list[Shard]) -> dict[str, int]:
+    """``{shard.name: bytes}`` of the shards that exist: ``stat`` locally, one listing on S3."""
+    if manifest.is_remote:
+        return {e.name: e.size for e in manifest.store().list()}
+    sizes = {}
+    for shard in shards:
+        try:
+            sizes[shard.name] = shard.path.stat().st_size
+        except OSError:
+            pass
+    return sizes
+
+
+def _sha256(manifest: Manifest, shard: Shard, chunk: int = 1 << 22) -> str:
+    """A shard's SHA-256: read locally, streamed through the store on S3."""
+    if not manifest.is_remote:
+        return sha256_file(shard.path, chunk)
+    digest = hashlib.sha256()
+    for piece in manifest.store().iter_chunks(shard.name, chunk):
+        digest.update(piece)
+    return digest.hexdigest()
 
 
 def check_vocab(manifest: Manifest, model_vocab_size: int) -> None:

@@ -1,4 +1,4 @@
-"""Samples and their order in one prepared dataset: the windows cut from its shards and the
+"""Samples and their order in one prepared dataset: the windows cut from its token stream and the
 exactly-once permutation of each epoch (the model is described in ``data/loader.py``)."""
 
 from __future__ import annotations
@@ -6,68 +6,54 @@ from __future__ import annotations
 import numpy as np
 
 from podtrain.data.manifest import Manifest
+from podtrain.data.tokens import SplitTokens
 from podtrain.errors import UserError
 
 
 class SampleIndex:
-    """The samples of one split: packed windows of ``seq_len + 1`` tokens over memmapped shards."""
+    """The samples of one split: sample ``i`` is the window of tokens ``[i * seq_len, i * seq_len +
+    seq_len + 1)`` of the split's continuous stream (``data/tokens.py``): consecutive windows
+    overlap by one token, so every token is a target once, and a window may cross a shard edge."""
+
+    WINDOWS = "stream"
+    """The windowing recorded in the loader's state (checkpoints from before it windowed each shard)."""
 
     def __init__(self, manifest: Manifest, split: str, seq_len: int):
         self.seq_len = seq_len
-        self.shards = manifest.shards(split)
-        self.dtype = manifest.dtype
-        self._arrays: list[np.memmap] | None = None  # opened lazily: memmaps do not survive fork well
+        self.tokens = SplitTokens(manifest, split)
+        self.shards = self.tokens.shards
         self.vocab_limit: int | None = None  # set by DataSources.check_vocab: ids must be below it
-        counts = []
-        for shard in self.shards:
-            if not shard.path.is_file():
-                raise UserError(f"shard {shard.path} listed in {manifest.root / 'manifest.json'} is missing")
-            tokens = shard.path.stat().st_size // self.dtype.itemsize
-            if tokens != shard.tokens:
-                raise UserError(f"shard {shard.path} holds {tokens} tokens, the manifest says {shard.tokens}")
-            counts.append(max(0, (tokens - 1) // seq_len))
-        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-        self.num_samples = int(self.offsets[-1])
+        self.num_samples = max(0, (self.tokens.total - 1) // seq_len)
         if self.num_samples == 0:
-            total = sum(s.tokens for s in self.shards)
-            raise UserError(f"{manifest.root}: split {split!r} has {total} tokens, too few for one "
+            raise UserError(f"{manifest.root}: split {split!r} has {self.tokens.total} tokens, too few for one "
                             f"sample of data.seq_len + 1 = {seq_len + 1} tokens")
-
-    def _open(self) -> list[np.memmap]:
-        if self._arrays is None:
-            self._arrays = [np.memmap(s.path, dtype=self.dtype, mode="r") for s in self.shards]
-        return self._arrays
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``seq_len + 1`` token ids (int64) for the given sample ids."""
-        arrays = self._open()
-        shard_of = np.searchsorted(self.offsets, ids, side="right") - 1
-        starts = (ids - self.offsets[shard_of]) * self.seq_len
-        out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for row, (shard, start) in enumerate(zip(shard_of, starts)):
-            out[row] = arrays[shard][start:start + self.seq_len + 1]
+        out = self.tokens.windows(np.asarray(ids, dtype=np.int64) * self.seq_len, self.seq_len + 1)
         if self.vocab_limit is not None and len(out):
-            self._check_ids(out, shard_of)
+            self._check_ids(out, ids)
         return out
 
-    def _check_ids(self, rows: np.ndarray, shard_of: np.ndarray) -> None:
+    def warm(self, ids: np.ndarray) -> None:
+        """Start reading these samples' data ahead (S3; nothing to do for memory-mapped shards)."""
+        self.tokens.warm(np.asarray(ids, dtype=np.int64) * self.seq_len, self.seq_len + 1)
+
+    def _check_ids(self, rows: np.ndarray, ids: np.ndarray) -> None:
         """One line instead of an embedding's IndexError on every rank: a shard changed after
         prepare (its manifest's ``max_token_id`` checked at start says otherwise) holds an id the
         model has no row for. One max over the batch, in the loader's thread."""
         row_max = rows.max(axis=1)
         bad = np.flatnonzero(row_max >= self.vocab_limit)
         if bad.size:
-            shard = self.shards[int(shard_of[bad[0]])]
+            row = int(bad[0])
+            at = int(ids[row]) * self.seq_len + int(np.argmax(rows[row] >= self.vocab_limit))
+            shard = self.shards[self.tokens.shard_at(at)]
             recorded = (f"its manifest says at most {shard.max_token_id}: the shard changed after prepare"
                         if shard.max_token_id is not None else "its manifest records no max_token_id")
-            raise UserError(f"shard {shard.path} holds token id {int(row_max[bad[0]])}, at or above the model's "
+            raise UserError(f"shard {shard.path} holds token id {int(row_max[row])}, at or above the model's "
                             f"vocabulary size {self.vocab_limit}; {recorded} (data.verify=true checks the "
                             "shards at start); prepare the data again")
-
-    def __getstate__(self):  # workers and forks reopen their own memmaps
-        state = self.__dict__.copy()
-        state["_arrays"] = None
-        return state
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:

@@ -12,10 +12,12 @@ from typing import Sequence
 
 import numpy as np
 
+from podtrain.data.cache import CacheSpec
 from podtrain.data.manifest import MANIFEST_NAME, Manifest, check_vocab, read_manifest, tokenizer_identity, \
     verify_shards
 from podtrain.data.mixture import SourceSpec, parse_mix
 from podtrain.data.samples import SampleIndex
+from podtrain.distributed.env import ClusterEnv
 from podtrain.errors import UserError
 
 # The manifest's tokenizer fields that must agree between sources (files may live elsewhere).
@@ -42,14 +44,23 @@ class MixedIndex:
         self.offsets = np.concatenate([[0], np.cumsum([ix.num_samples for ix in self.indexes])]).astype(np.int64)
         self.num_samples = int(self.offsets[-1])
 
+    def _by_source(self, ids: np.ndarray):
+        """``(source, mask)`` for each source the global ids fall in."""
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        for i in np.unique(source):
+            yield int(i), source == i
+
+    def warm(self, ids: np.ndarray) -> None:
+        """Start reading these samples ahead (``SampleIndex.warm``)."""
+        for i, mask in self._by_source(ids):
+            self.indexes[i].warm(ids[mask] - self.offsets[i])
+
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``seq_len + 1`` token ids (int64) for global sample ids, in the given order."""
         if len(self.indexes) == 1:
             return self.indexes[0].gather(ids)
-        source = np.searchsorted(self.offsets, ids, side="right") - 1
         out = np.empty((len(ids), self.seq_len + 1), dtype=np.int64)
-        for i in np.unique(source):
-            mask = source == i
+        for i, mask in self._by_source(ids):
             out[mask] = self.indexes[i].gather(ids[mask] - self.offsets[i])
         return out
 
@@ -68,20 +79,26 @@ class DataSources:
                  manifests: Sequence[Manifest] | None = None):
         self.specs = list(specs)
         self.seq_len = seq_len
-        for spec in self.specs:
-            if "://" in spec.path:  # the store can read it, the loader cannot yet (memmapped shards)
-                raise UserError(f"data source {spec.path}: training reads prepared data from a file system "
-                                "(local disk, FSx); copy it there first (aws s3 sync URL DIR), S3 reading is "
-                                "not built yet")
         self.manifests = list(manifests) if manifests is not None else [read_manifest(s.path) for s in self.specs]
         check_one_tokenizer(self.specs, self.manifests)
         self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
         self.vocab_limit: int | None = None  # the model's vocabulary, once check_vocab has run
+        self.cache = CacheSpec("", 0)
 
     @classmethod
     def from_config(cls, data, split: str = "train") -> "DataSources":
-        """The sources of a ``DataSection``: ``data.mix``, else ``data.path`` alone."""
-        return cls(parse_mix(data.mix, data.path), data.seq_len, split)
+        """The sources of a ``DataSection``: ``data.mix``, else ``data.path`` alone; S3 sources are
+        cached under ``data.cache_dir`` within ``data.cache_gb`` per node."""
+        sources = cls(parse_mix(data.mix, data.path), data.seq_len, split)
+        env = ClusterEnv.detect()
+        sources.use_cache(CacheSpec(data.cache_dir, int(data.cache_gb * 1e9), env.local_rank, env.local_world_size))
+        return sources
+
+    def use_cache(self, spec: CacheSpec) -> None:
+        """Read S3 shards through the block cache ``spec`` (every split of every source)."""
+        self.cache = spec
+        for index in self.indexes:
+            index.tokens.cache = spec
 
     @property
     def names(self) -> list[str]:
@@ -123,6 +140,7 @@ class DataSources:
                    for spec, m in zip(self.specs, self.manifests) if "val" in m.splits()}
         for index in indexes.values():
             index.vocab_limit = self.vocab_limit
+            index.tokens.cache = self.cache
         return indexes
 
     def describe(self) -> str:

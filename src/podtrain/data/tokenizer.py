@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from podtrain.data.manifest import Manifest, read_manifest
+from podtrain.data.manifest import Manifest, RemotePath, read_manifest
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_bytes
 
@@ -271,8 +271,9 @@ def read_setup_file(out: Path, identity: dict[str, Any]) -> bytes | None:
     return blob if hashlib.sha256(blob).hexdigest() == identity["sha256"] else None
 
 
-def from_identity(root: Path, identity: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
-    """Rebuild the tokenizer a manifest names, from the files under ``root`` (the data directory)."""
+def from_identity(root: Path | RemotePath, identity: dict[str, Any]) -> ByteTokenizer | HFTokenizer:
+    """Rebuild the tokenizer a manifest names, from the files under ``root`` (the data directory,
+    or an ``s3://`` one)."""
     kind = identity.get("kind")
     if kind == "byte":
         return ByteTokenizer()
@@ -281,10 +282,13 @@ def from_identity(root: Path, identity: dict[str, Any]) -> ByteTokenizer | HFTok
         if not files:
             raise UserError(f"{root}/manifest.json: tokenizer {identity.get('name')!r} lists no files")
         path = root / files[0]
-        if not path.is_file():
+        if isinstance(root, RemotePath):  # s3://: through the store
+            blob = Manifest(root, {}).read_file(files[0])
+        elif not path.is_file():
             raise UserError(f"{path} is missing (tokenizer of {root})")
+        else:
+            blob = path.read_bytes()
         tk = _tokenizers()
-        blob = path.read_bytes()
         if identity.get("sha256") and hashlib.sha256(blob).hexdigest() != identity["sha256"]:
             raise UserError(f"{path}: sha256 does not match the manifest (tokenizer file changed)")
         tok = tk.Tokenizer.from_str(blob.decode("utf-8"))

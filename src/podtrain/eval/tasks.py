@@ -56,14 +56,7 @@ def validation_texts(manifest: Manifest, tokenizer: Any, max_tokens: int = MAX_T
     if "val" not in manifest.splits():
         raise UserError(f"{manifest.root / 'manifest.json'} has no validation split: {NEXT_LINE} is "
                         "made from it (prepare with --val-fraction above 0)")
-    parts, budget = [], max_tokens
-    for shard in manifest.shards("val"):
-        if budget <= 0:
-            break
-        tokens = np.asarray(np.memmap(shard.path, dtype=manifest.dtype, mode="r")[:budget])
-        parts.append(tokens)
-        budget -= len(tokens)
-    tokens = np.concatenate(parts) if parts else np.zeros(0, manifest.dtype)
+    tokens = manifest.head_tokens("val", max_tokens)
     bounds = np.flatnonzero(tokens == manifest.eos_id)
     texts, start = [], 0
     for end in [*bounds.tolist(), len(tokens)]:

@@ -43,16 +43,12 @@ def bytes_per_token(manifest: Manifest, split: str = "val", max_tokens: int = BY
     from podtrain.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(manifest)
-    total_tokens = total_bytes = 0
-    for shard in manifest.shards(split):
-        if total_tokens >= max_tokens:
-            break
-        tokens = np.asarray(np.memmap(shard.path, dtype=manifest.dtype, mode="r")[:max_tokens - total_tokens])
-        total_tokens += len(tokens)
-        bounds = [-1, *np.flatnonzero(tokens == manifest.eos_id).tolist(), len(tokens)]
-        for a, b in zip(bounds, bounds[1:]):
-            if b > a + 1:
-                total_bytes += len(tokenizer.decode(tokens[a + 1:b].tolist()).encode("utf-8"))
+    tokens = manifest.head_tokens(split, max_tokens)
+    total_tokens, total_bytes = len(tokens), 0
+    bounds = [-1, *np.flatnonzero(tokens == manifest.eos_id).tolist(), len(tokens)]
+    for a, b in zip(bounds, bounds[1:]):
+        if b > a + 1:
+            total_bytes += len(tokenizer.decode(tokens[a + 1:b].tolist()).encode("utf-8"))
     return total_bytes / total_tokens if total_tokens else float("nan")
 
 
