@@ -182,6 +182,65 @@ def test_a_bad_block_on_one_rank_makes_every_rank_fall_back_together(tmp_path):
     assert len(results[0][1]) == 1 and "step_000002" in results[0][1][0] and "rank 1" in results[0][1][0]
 
 
+def _tiny(seed: int):
+    from podtrain.model import build_model, preset_config
+
+    net = build_model(preset_config("tiny"), "eager", seed=seed)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+
+def _tiny_step(net, opt) -> None:
+    rows = torch.arange(33).remainder(320).view(1, 33)
+    net(input_ids=rows[:, :-1], labels=rows[:, 1:]).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _only_ckpt_corrupt_rank(rank, world, run_dir):
+    """Save step 1 (both ranks), corrupt rank 1's file, then restore as a fresh relaunch would."""
+    from types import SimpleNamespace
+
+    from podtrain.ckpt.state import capture_rng
+    from podtrain.train.recovery import reinitialise
+
+    net, opt = _tiny(7)
+    _tiny_step(net, opt)
+    ck = Checkpointer(Path(run_dir), CkptSection(), _ctx())
+    ck.save(1, net, opt, None, _state(1))
+    ck.wait()
+    torch.distributed.barrier()
+    if rank == 1:
+        victim = Path(run_dir) / "ckpt" / "step_000001" / "rank_00001.safetensors"
+        raw = bytearray(victim.read_bytes())
+        raw[-100] ^= 0xFF  # rank 0's share reads fine and lands in its live tensors first
+        victim.write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    net, opt = _tiny(7)  # the relaunch: built from run.seed
+    rng = capture_rng(torch.device("cpu"))["torch"]
+    trainer = SimpleNamespace(model=net, ctx=ck.ctx, strategy=SimpleNamespace(sharded=False),
+                              cfg=SimpleNamespace(run=SimpleNamespace(seed=7),
+                                                  model=SimpleNamespace(attn_implementation="eager")))
+    state = ck.restore(net, opt, None, fresh=lambda: reinitialise(trainer))
+    ck.close()
+    same_rng = torch.equal(rng, torch.get_rng_state())
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    optim = len(opt.state)
+    _tiny_step(net, opt)  # training proceeds from the fresh state
+    return state, weights, optim, same_rng, {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def test_a_corrupt_only_checkpoint_starts_every_rank_fresh_from_the_seed(tmp_path):
+    fresh, opt = _tiny(7)
+    expected = {k: v.clone() for k, v in fresh.state_dict().items()}
+    _tiny_step(fresh, opt)
+    after_step = fresh.state_dict()
+    results = run_ranks(_only_ckpt_corrupt_rank, 2, str(tmp_path))
+    for state, weights, optim, same_rng, trained in results:
+        assert state is None and optim == 0 and same_rng
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
+        assert all(torch.equal(trained[k], after_step[k]) for k in after_step)
+
+
 def _failing_save_rank(rank, world, run_dir):
     from podtrain.train.signals import StopSignal
     import contextlib

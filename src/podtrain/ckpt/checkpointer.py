@@ -114,7 +114,7 @@ class Checkpointer:
     # -- resume --------------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
-                resume: str | None = None) -> ResumeState | None:
+                resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
         """Load the checkpoint ``cfg.resume`` designates into the model, optimizer and scaler on
         every rank and return the rest as a ``ResumeState``; None: start fresh.
 
@@ -123,45 +123,65 @@ class Checkpointer:
         when any rank's bytes fail their checks, every rank falls back to the previous checkpoint
         (under ``auto``; an explicit ``ckpt.resume`` path is refused instead). ``resume``
         overrides ``cfg.resume`` (a rollback).
+
+        A failed load has already written part of the checkpoint into the live tensors (each rank
+        reads straight into them: a scratch copy would double the memory), so a fall-back clears
+        the optimizer state, and a fall-back to nothing calls ``fresh()`` on every rank, which
+        must put the model's weights back to a fresh start's (``podtrain.train.recovery``).
         """
         resume = resume or self.cfg.resume
+        state, dirty = None, False
         if self.local is not None and resume == "auto":
-            state = self._restore_local(model, optimizer, scaler, check)
+            state, dirty = self._restore_local(model, optimizer, scaler, check)
             if state is not None:
                 return state
         failed: set[str] = set()
         while True:
+            if dirty:
+                optimizer.state.clear()  # partly loaded: as a fresh optimizer (or the next load) wants it
             choice = self._rank0_decides(lambda: self._choose(resume, failed))
             if choice is None:
                 log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", resume)
+                if dirty:
+                    self._start_over(fresh)
                 return None
             state = self._load(choice, model, optimizer, scaler, check)
             if state is not None:
                 return state
+            dirty = True
             if resume != "auto":
                 raise UserError(f"ckpt.resume={resume}: checkpoint {choice['where']} is corrupted (see above)")
             failed.add(choice["name"])
 
+    def _start_over(self, fresh: Callable[[], None] | None) -> None:
+        """Every rank: undo a failed load's partial writes into the weights (``fresh``)."""
+        if fresh is None:  # a caller that cannot re-initialise must not train on a half-loaded model
+            raise RuntimeError("every checkpoint failed its checks after part of one was loaded, and "
+                               "restore() was given no fresh() to re-initialise the model")
+        log.info("re-initialising the weights: the failed load left part of a checkpoint in them")
+        fresh()
+
     def _restore_local(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None, check: Callable | None) -> ResumeState | None:
+                       scaler: torch.amp.GradScaler | None, check: Callable | None) -> tuple[ResumeState | None, bool]:
         """Every rank: restore the newest local step every rank holds, when it is at least as new
-        as the newest durable checkpoint; None: use the durable tier (all ranks agree)."""
+        as the newest durable checkpoint; None: use the durable tier (all ranks agree). The flag:
+        a load failed (the live state holds part of it)."""
         held = self._agreed(self.local.url, lambda: local_tier.held_steps(self.local, self.ctx.rank,
                                                                           self.ctx.world_size))
         step = local_tier.newest_common(self.ctx.all_gather_object(held))
         if step is None:
             if any(held) and self.ctx.is_main:
                 log.info("no local checkpoint is held by every rank: resuming from the durable tier")
-            return None
+            return None, False
         choice = self._rank0_decides(lambda: self._local_choice(step))
         if choice is None:
-            return None
+            return None, False
         store = local_tier.WithSmallFiles(self.local, choice.pop("files"))
         state = self._load(choice, model, optimizer, scaler, check, store)
         if state is None:
             log.warning("the local checkpoint of step %d could not be restored: trying the durable tier", step)
         self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
-        return state
+        return state, state is None
 
     def _local_choice(self, step: int) -> dict | None:
         """Rank 0: the local step unless a durable checkpoint is newer; its small files, to broadcast."""

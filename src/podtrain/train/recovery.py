@@ -11,11 +11,14 @@ import logging
 from typing import Any
 
 from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.ckpt.state import capture_rng, restore_rng
 from podtrain.data.manifest import tokenizer_identity
 from podtrain.errors import UserError
+from podtrain.model import build_model, unwrap
 from podtrain.train.guard import Rollback
 from podtrain.train.replicas import check_replicas
 from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters
+from podtrain.train.strategy import copy_weights
 
 log = logging.getLogger("podtrain")
 
@@ -31,11 +34,27 @@ def restore_checkpoint(trainer: Any, resume: str | None = None) -> ResumeState |
         check_resume(saved, cfg, tokenizer, step, path)
 
     state = trainer.checkpointer.restore(trainer.model, trainer.optimizer, trainer.stepper.scaler,
-                                         check=check, resume=resume)
+                                         check=check, resume=resume, fresh=lambda: reinitialise(trainer))
     if state is not None:
         reapply_optimizer_hyperparameters(trainer.optimizer, cfg.optim)
     check_replicas(trainer.model, trainer.ctx, before_ddp=False)
     return state
+
+
+def reinitialise(trainer: Any) -> None:
+    """Every rank: the weights a fresh start has (``build_for_strategy`` from ``run.seed``, then
+    the strategy's fill), copied into the live model in place, after a failed load left part of
+    a checkpoint in them. The RNG states are kept: building the model reseeds them. Memory: one
+    whole fp32 CPU copy of the model, on every rank under ddp, on rank 0 alone under fsdp/hsdp
+    (as at start-up)."""
+    cfg, ctx = trainer.cfg, trainer.ctx
+    sharded = trainer.strategy.sharded
+    rng = capture_rng(ctx.device)
+    reference = None
+    if not sharded or ctx.is_main:
+        reference = build_model(unwrap(trainer.model).config, cfg.model.attn_implementation, seed=cfg.run.seed)
+    copy_weights(unwrap(trainer.model), reference, sharded)
+    restore_rng(rng, ctx.device)
 
 
 def roll_back(trainer: Any, plan: Rollback) -> None:

@@ -66,6 +66,19 @@ def build_for_strategy(config, attn_implementation: str, seed: int, strategy: st
     return build_model(config, attn_implementation, device="meta"), reference
 
 
+def copy_weights(model: nn.Module, reference: nn.Module | None, sharded: bool) -> None:
+    """Copy ``reference``'s weights into ``model``'s live tensors in place (every rank calls).
+    ``sharded``: only global rank 0 holds a ``reference`` and each rank keeps its shards of it
+    (collective); else every rank copies its own (an unwrapped model, no collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if sharded:
+        set_model_state_dict(model, reference.state_dict() if reference is not None else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        model.load_state_dict(reference.state_dict())
+
+
 def shard_group_size(cfg: DistSection, world_size: int, local_world_size: int) -> int:
     """hsdp's shard dimension: ``dist.shard_size``, else the node's ranks; it must divide the world."""
     size = cfg.shard_size or local_world_size
@@ -235,11 +248,9 @@ class FSDPStrategy(Strategy):
         """Allocate this rank's shards and buffers on its device and fill them from global rank
         0's whole ``reference``: one tensor at a time, each rank keeping its shard of it."""
         import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model.to_empty(device=self.ctx.device)
-        set_model_state_dict(model, reference.state_dict() if reference is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        copy_weights(model, reference, sharded=True)
         # Buffers (rotary inv_freq: not in the state dict) are replicated, not sharded.
         whole = dict(reference.named_buffers()) if reference is not None else {}
         with torch.no_grad():
