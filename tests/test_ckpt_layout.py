@@ -74,6 +74,35 @@ def test_block_hasher_matches_per_piece_blocks_and_spans_round_out_to_blocks():
         spans([piece], 0, 10, 4)  # elements before the piece: not stored
 
 
+def test_chunks_of_a_file_merge_into_bounded_reads_and_keep_their_place():
+    from podtrain.ckpt.coalesce import Chunk, coalesce
+
+    chunks = [Chunk("a", 100, 50, 1), Chunk("b", 0, 10, 2), Chunk("a", 0, 100, 3), Chunk("a", 150 + 64, 10, 4),
+              Chunk("a", 1000, 10, 5), Chunk("a", 1010, 500, 6)]
+    reads = coalesce(chunks, cap=300, gap=64)
+    assert [(r.file, r.offset, r.length, [c.payload for c in r.chunks]) for r in reads] == [
+        ("a", 0, 224, [3, 1, 4]),  # touching, then a 64-byte hole read over
+        ("a", 1000, 10, [5]), ("a", 1010, 500, [6]),  # 510 bytes would pass the cap
+        ("b", 0, 10, [2])]
+
+
+def _mixed_dtypes() -> nn.Module:
+    net = nn.Module()
+    net.a = nn.Parameter(torch.randn(3).to(torch.bfloat16))  # 6 bytes: the next piece sits off 4-byte alignment
+    net.b = nn.Parameter(torch.randn(5))
+    return net
+
+
+def test_a_resume_reads_pieces_of_mixed_dtypes_merged_into_one_read(tmp_path):
+    net, other = _mixed_dtypes(), _mixed_dtypes()
+    ck = Checkpointer(tmp_path, CkptSection(), _ctx())
+    ck.save(1, net, torch.optim.SGD(net.parameters(), lr=0.1), None, _state(1))
+    ck.wait()
+    assert ck.restore(other, torch.optim.SGD(other.parameters(), lr=0.1), None).step == 1
+    ck.close()
+    assert torch.equal(other.a, net.a) and torch.equal(other.b, net.b)
+
+
 def test_removed_format_key_and_older_layout_are_one_line_refusals(tmp_path):
     with pytest.raises(UserError, match="'ckpt.format' was removed"):
         load_config(None, ["ckpt.format=dcp"])

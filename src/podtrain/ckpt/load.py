@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from podtrain.ckpt import layout
+from podtrain.ckpt.coalesce import Chunk, Read, coalesce, split
 from podtrain.ckpt.host_buffers import StagingPool, byte_array
 from podtrain.ckpt.plan import BLOCK_BYTES, Piece, spans
 from podtrain.ckpt.state import from_plain
@@ -101,51 +104,97 @@ def _check_fit(where: str, stored: dict, targets: dict[str, torch.Tensor]) -> No
 
 def read(plan: LoadPlan, store, name: str, rank: int, pool: StagingPool) -> int:
     """Phase 2 (no collective): fill this rank's share of the targets. Returns bytes of tensor
-    data read. Raises ``CorruptCheckpoint`` when a block fails its check."""
-    total = 0
+    data read. Raises ``CorruptCheckpoint`` when a block fails its check.
+
+    The chunks needed are merged into few large reads per file (``podtrain.ckpt.coalesce``), run
+    on ``pool.threads`` threads (a request's latency overlaps the others'; CRC-32 and copies
+    release the GIL), each through one pool slab: blocks verified, then copied out."""
+    cap = max(BLOCK_BYTES, pool.slab_bytes // BLOCK_BYTES * BLOCK_BYTES)
+    chunks: list[Chunk] = []
     for tname, t in plan.targets.tensors.items():
         if is_dtensor(t):
             start, count, _ = dtensor_range(tname, t)
             if count:
-                total += _read_range(plan, store, name, tname, flat_local(t), start, count, start, pool)
+                chunks += _chunks(plan, name, tname, flat_local(t), start, count, start, cap)
     for tname, start, count in plan.plain[rank]:
-        total += _read_range(plan, store, name, tname, flat_local(plan.targets.tensors[tname]),
-                             start, count, 0, pool)
-    return total
+        chunks += _chunks(plan, name, tname, flat_local(plan.targets.tensors[tname]), start, count, 0, cap)
+    reads = coalesce(chunks, cap)
+    failed = threading.Event()
+
+    def fetch(r: Read) -> int:
+        if failed.is_set():  # another read failed: the load is abandoned, stop fetching
+            return 0
+        slab = pool.acquire()
+        try:
+            buf = slab[:r.length]
+            store.read_into(f"{name}/{r.file}", r.offset, byte_array(buf))
+            for c in r.chunks:
+                _place(plan, buf[c.offset - r.offset:c.offset - r.offset + c.length], c.payload)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            pool.release(slab)
+        return r.length
+
+    if len(reads) < 2 or pool.threads < 2:
+        return sum(fetch(r) for r in reads)
+    with ThreadPoolExecutor(min(pool.threads, len(reads)), thread_name_prefix="podtrain-ckpt-read") as ex:
+        return sum(ex.map(fetch, reads))
 
 
-def _read_range(plan: LoadPlan, store, name: str, tname: str, dst: torch.Tensor, start: int, count: int,
-                dst_start: int, pool: StagingPool) -> int:
-    """Elements ``[start, start + count)`` of tensor ``tname`` into ``dst[start - dst_start ...]``,
-    whole checksum blocks at a time through pool slabs."""
+@dataclass(frozen=True)
+class _Dest:
+    """Where a chunk's bytes go: blocks ``first_block``.. of ``piece`` (to verify), elements
+    ``[lo, hi)`` of the tensor into ``dst[lo - dst_start ...]``; ``first_elem``: the chunk's first."""
+
+    tname: str
+    piece: Piece
+    first_block: int
+    first_elem: int
+    lo: int
+    hi: int
+    dst: torch.Tensor
+    dst_start: int
+    dtype: torch.dtype
+    esize: int
+
+
+def _chunks(plan: LoadPlan, name: str, tname: str, dst: torch.Tensor, start: int, count: int,
+            dst_start: int, cap: int) -> list[Chunk]:
+    """The whole-block chunks (at most ``cap`` bytes) that hold elements ``[start, start + count)``
+    of ``tname``, each with where its wanted elements go."""
     dtype = DTYPES[plan.manifest["tensors"][tname]["dtype"]]
     esize = torch.empty((), dtype=dtype).element_size()
-    per_slab = max(BLOCK_BYTES, pool.slab_bytes // BLOCK_BYTES * BLOCK_BYTES)
-    done = 0
     try:
         found = spans(plan.pieces.get(tname, []), start, count, esize)
     except ValueError as exc:
         raise UserError(f"checkpoint {plan.where}: tensor {tname}: {exc}") from None
+    out: list[Chunk] = []
     for span in found:
         offset, length = span.byte_range(esize)
         first_elem = span.piece.start + span.first_block * BLOCK_BYTES // esize
-        for pos in range(0, length, per_slab):
-            n = min(per_slab, length - pos)
-            slab = pool.acquire()
-            try:
-                buf = slab[:n]
-                store.read_into(f"{name}/{span.piece.file}", offset + pos, byte_array(buf))
-                done += n
-                verify_blocks(memoryview(byte_array(buf)), span.piece.crcs, span.first_block + pos // BLOCK_BYTES,
-                              f"{plan.where}/{span.piece.file} ({tname})")
-                lo = max(span.want_start, first_elem + pos // esize)
-                hi = min(span.want_start + span.want_count, first_elem + (pos + n) // esize)
-                if hi > lo:
-                    values = buf[(lo - first_elem) * esize - pos:(hi - first_elem) * esize - pos].view(dtype)
-                    dst[lo - dst_start:hi - dst_start].copy_(values)
-            finally:
-                pool.release(slab)
-    return done
+
+        def dest(pos: int, n: int, span=span, first_elem=first_elem) -> _Dest:
+            lo = max(span.want_start, first_elem + pos // esize)
+            hi = min(span.want_start + span.want_count, first_elem + (pos + n) // esize)
+            return _Dest(tname, span.piece, span.first_block + pos // BLOCK_BYTES, first_elem + pos // esize,
+                         lo, hi, dst, dst_start, dtype, esize)
+
+        out += split(span.piece.file, offset, length, cap, dest)
+    return out
+
+
+def _place(plan: LoadPlan, buf: torch.Tensor, d: _Dest) -> None:
+    """Verify a chunk's blocks, then copy its wanted elements into the target."""
+    verify_blocks(memoryview(byte_array(buf)), d.piece.crcs, d.first_block,
+                  f"{plan.where}/{d.piece.file} ({d.tname})")
+    if d.hi > d.lo:
+        raw = buf[(d.lo - d.first_elem) * d.esize:(d.hi - d.first_elem) * d.esize]
+        if raw.storage_offset() % d.esize:  # merged after a piece of an odd size: view needs alignment
+            raw = raw.clone()
+        values = raw.view(d.dtype)
+        d.dst[d.lo - d.dst_start:d.hi - d.dst_start].copy_(values)
 
 
 def finish(plan: LoadPlan, net: nn.Module, optimizer: torch.optim.Optimizer, cpu_group=None) -> dict[str, Any]:
