@@ -135,6 +135,7 @@ def test_sample_prints_greedy_text_that_matches_the_model(tmp_path, capsys):
     from podtrain.data.tokenizer import ByteTokenizer
 
     model = make_run(tmp_path / "run", byte_data(tmp_path / "data"), vocab=320)
+    capsys.readouterr()  # the training's own log lines
     args = ["sample", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     assert main(args) == 0
     text = capsys.readouterr().out.rstrip("\n")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from podtrain.errors import UserError
+from podtrain.fsutil import naming
 
 log = logging.getLogger("podtrain")
 
@@ -104,18 +105,22 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / "tb"),
+        self._dir = run_dir / "tb"
+        self._writer = SummaryWriter(log_dir=str(self._dir),
                                      purge_step=start_step + 1 if start_step else None)
 
     def log(self, record: dict[str, Any]) -> None:
         """Add the record's scalars at its step; flushed so a killed run keeps them."""
-        for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=record["step"])
-        self._writer.flush()
+        # The event writer's thread re-raises a full disk without a file name: name the folder.
+        with naming(self._dir):
+            for tag, value in scalars(record).items():
+                self._writer.add_scalar(tag, value, global_step=record["step"])
+            self._writer.flush()
 
     def close(self) -> None:
         """Close the event file."""
-        self._writer.close()
+        with naming(self._dir):
+            self._writer.close()
 
 
 class WandbTracker:
