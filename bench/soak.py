@@ -7,15 +7,19 @@ Each round is the same config in a fresh run directory on its own small tmpfs, r
 every fault (`podtrain launch local CONFIG --nproc 2`, auto-resume) until it finishes:
 
 * kill    SIGKILL of one random rank's worker at a random step (mid-step or mid-save);
-* term    SIGTERM to the launcher: podtrain checkpoints that step and exits 143;
-* enospc  at a random step the tmpfs is filled up to a random fraction of one checkpoint, so the
-          save in flight or the next one runs out of space: one line naming the culprit, exit 2;
-          the soak frees the space;
+* term    SIGTERM to the launcher at a random step: podtrain checkpoints that step and exits 143;
+* enospc  before the launch the tmpfs is filled so that its first save (its second on a fresh
+          run) finds a random fraction of one checkpoint file free and runs out of space mid-file:
+          one line naming the culprit, exit 2; the soak frees the space;
 * corrupt before a relaunch, bytes in the second half of the newest checkpoint's largest data file
           are inverted: resume must detect it and fall back to the checkpoint before.
 
-Every round has each fault once (``--kinds``), in random order (corrupt before a random relaunch),
-each at least ckpt.every steps past the launch's resume point (so a checkpoint was written). A fault is
+Every round has each fault once (``--kinds``), in random order (corrupt before a random relaunch).
+The plan is drawn when the round starts, so ``--seed`` replays it whatever the machine's speed; kill
+and term are sent when metrics.jsonl shows their planned step (ckpt.every to 2 x ckpt.every - 1 steps
+past the launch's resume point, so a checkpoint was written, and at least 2 x ckpt.every steps before
+the end, so a soak slowed down by load still lands them before the run finishes); the disk is full
+before the enospc launch starts, so no race with the run decides whether its save fails. A fault is
 survived when its attempt ended as documented (README's exit codes), the next launch resumed from
 the expected checkpoint (the newest one; for corrupt, the one before) and went past it. At the end
 `podtrain export` of the round and of the reference must hold bit-identical weights, and every
@@ -92,6 +96,8 @@ class Soak:
         self.active: list[subprocess.Popen] = []
         self.mounts: list[Path] = []
         self.ckpt_bytes = 0  # one checkpoint's size, from the reference run
+        self.file_bytes = 0  # its smallest data file's (a save fails when even that one cannot fit)
+        self.plan: dict = {}  # this round's random choices, drawn when it starts
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
@@ -165,6 +171,7 @@ class Soak:
         # Exported while the first round starts up (mostly one process importing at a time).
         exporting = self.start_export(run_dir, self.work / "export_reference")
         return {"wall_s": wall, "losses": losses, "ckpt_bytes": procs.dir_bytes(newest),
+                "file_bytes": min(procs.data_file_sizes(newest)),
                 "export": self.work / "export_reference", "exporting": exporting}
 
     # -- one round ---------------------------------------------------------------------------
@@ -172,6 +179,7 @@ class Soak:
         """A fresh faulted run to the end, then its export compared with the reference's."""
         run_dir = self.work / f"round{index}"
         self.ckpt_bytes = ckpt = ref["ckpt_bytes"]
+        self.file_bytes = ref["file_bytes"]
         if "enospc" in self.args.kinds:
             procs.mount_tmpfs(run_dir, ckpt * 5 + (32 << 20))  # keep_last=2, one being written, room
             self.mounts.append(run_dir)
@@ -180,6 +188,11 @@ class Soak:
         plan = self.rng.sample(ending, len(ending)) + [None]
         # Before the relaunch after a random one of the other faults (never: not selected).
         corrupt_before = self.rng.randrange(1, len(plan)) if "corrupt" in self.args.kinds else len(plan)
+        # Every other random choice is drawn now, whatever happens later: a seed replays the plan.
+        c = self.args.ckpt_every
+        self.plan = {"hold": {k: self.rng.randint(c, 2 * c - 1) for k in ("kill", "term")},
+                     "leave": self.rng.uniform(0.2, 0.8), "kill_delay": self.rng.uniform(0.0, 0.3),
+                     "kill_rank": self.rng.randrange(self.args.nproc), "corrupt": self.rng.randrange(1 << 31)}
         pending: list[Fault] = []
         attempts: list[Attempt] = []
         for n, kind in enumerate(plan):
@@ -220,7 +233,7 @@ class Soak:
         dirs = procs.step_dirs(run_dir)
         if latest == 0 or latest not in dirs:
             return []  # nothing saved yet: corrupt before the next relaunch instead
-        target, offset = procs.corrupt_largest_data_file(dirs[latest], self.rng)
+        target, offset = procs.corrupt_largest_data_file(dirs[latest], random.Random(self.plan["corrupt"]))
         fault = Fault("corrupt", index, latest, f"{target.relative_to(run_dir)} at byte {offset}",
                       expected_resume=max([s for s in dirs if s < latest], default=0))
         self.faults.append(fault)
@@ -231,11 +244,11 @@ class Soak:
         """One launch: inject ``kind`` into it (None: let it finish), then judge the faults that
         this launch's resume decides (``pending``)."""
         offset = metrics_lines(run_dir)
+        fault = self.fill_disk(run_dir, index, pending) if kind == "enospc" else None
         t0 = time.monotonic()
         proc, log = self.launch(run_dir, data, f"round{index}_attempt{n}_{kind or 'final'}")
-        fault = None
-        if kind is not None:
-            fault = self.fault_at_random_step(proc, run_dir, offset, index, kind)
+        if kind in ("kill", "term"):
+            fault = self.fault_at_planned_step(proc, run_dir, offset, index, kind)
         code = self.wait(proc, f"round {index} attempt {n}")
         wall = time.monotonic() - t0
         steps, losses = read_metrics(run_dir, offset)
@@ -248,31 +261,50 @@ class Soak:
             print(f"soak: round {index}: the final launch exited {code}; see {log}", flush=True)
         return attempt, fault
 
-    def fault_at_random_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
-                             kind: str) -> Fault:
-        """Wait for a random step past the resume point, then kill -9 a random rank, SIGTERM the
-        launcher, or fill the disk (its next save, or the one in flight, runs out of space)."""
-        # At least ckpt.every steps past the resume point, so the launch saves at least once.
-        hold = self.rng.randint(self.args.ckpt_every, 2 * self.args.ckpt_every - 1)
+    def fill_disk(self, run_dir: Path, index: int, pending: list[Fault]) -> Fault:
+        """Before an enospc launch: fill the tmpfs so that the launch's first save (on a fresh run
+        its second, so that a checkpoint exists to corrupt) finds a random fraction of its smallest
+        file free. Done before the launch, not at a watched step: a run that outpaces a loaded soak
+        could otherwise finish its saves before the disk is full. Until that save, retention
+        deletes nothing (keep_last=2), so every earlier save fits in what is left."""
+        latest, dirs = procs.latest_step(run_dir), procs.step_dirs(run_dir)
+        corrupt = next((f for f in pending if f.kind == "corrupt"), None)
+        resume = corrupt.expected_resume if corrupt is not None else latest
+        fitting = 1 if not dirs else 0
+        # Unfinished saves (newer than ``latest``) are removed when the launch starts: fill their room too.
+        unfinished = sum(procs.dir_bytes(d) for s, d in dirs.items() if s > latest)
+        leave = fitting * self.ckpt_bytes + int(self.file_bytes * self.plan["leave"])
+        procs.fill(run_dir / "filler", max(64 << 10, leave - unfinished))
+        failing = resume + (fitting + 1) * self.args.ckpt_every
+        return Fault("enospc", index, failing, f"disk filled before the launch from step {resume}: the save "
+                     f"of step {failing} finds {leave - fitting * self.ckpt_bytes >> 10} KiB free")
+
+    def fault_at_planned_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
+                              kind: str) -> Fault:
+        """Wait until metrics.jsonl shows the planned step past the resume point, then kill -9 a
+        random rank or SIGTERM the launcher."""
+        # At least ckpt.every steps past the resume point, so the launch saves at least once; at
+        # least 2 x ckpt.every before the end, so a soak that lags the run still lands it.
+        last = self.args.steps - 2 * self.args.ckpt_every
+        target: list[int] = []
 
         def reached() -> bool:
             steps, _ = read_metrics(run_dir, offset)
-            last = self.args.steps - self.args.ckpt_every  # well before the end: the fault lands
-            return proc.poll() is not None or (bool(steps) and max(steps) >= min(last, steps[0] + hold))
+            if steps and not target:
+                target.append(min(last, steps[0] - 1 + self.plan["hold"][kind]))
+            return proc.poll() is not None or (bool(steps) and max(steps) >= target[0])
 
         if not procs.wait_for(reached, self.args.attempt_timeout) or proc.poll() is not None:
-            return Fault(kind, index, 0, "the run ended or stalled before the fault", survived=False,
-                         reason="never reached the planned step")
+            seen = max(read_metrics(run_dir, offset)[0], default=0)
+            return Fault(kind, index, seen, "the run ended or stalled before the fault", survived=False,
+                         reason=f"never reached the planned step {target[0] if target else '?'} "
+                                f"(last logged step {seen}, exit {proc.poll()})")
         at = max(read_metrics(run_dir, offset)[0])
         if kind == "term":
             proc.send_signal(signal.SIGTERM)
-            return Fault(kind, index, at, "SIGTERM to the launcher")
-        if kind == "enospc":
-            leave = int(self.ckpt_bytes * self.rng.uniform(0.2, 0.8))
-            procs.fill(run_dir / "filler", leave)
-            return Fault(kind, index, at, f"disk filled at step {at}, {leave >> 20} MiB left")
-        time.sleep(self.rng.uniform(0.0, 0.3))  # anywhere in a step, or in a save
-        rank = self.rng.randrange(self.args.nproc)
+            return Fault(kind, index, at, f"SIGTERM to the launcher at step {at} (planned {target[0]})")
+        time.sleep(self.plan["kill_delay"])  # anywhere in a step, or in a save
+        rank = self.plan["kill_rank"]
         pid = procs.worker_pids(proc.pid).get(rank)
         if pid is None:
             return Fault(kind, index, at, f"rank {rank} not found", survived=False, reason="no worker to kill")
@@ -352,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0,
                    help="time budget: new rounds start while one more fits (the first always runs)")
-    p.add_argument("--steps", type=int, default=24, help="train.steps of every run (default 24)")
+    p.add_argument("--steps", type=int, default=32, help="train.steps of every run (default 32)")
     p.add_argument("--ckpt-every", type=int, default=4, help="ckpt.every (default 4)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--seed", type=int, default=None,
@@ -367,8 +399,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
-    if args.steps < 6 * args.ckpt_every:
-        p.error(f"--steps must be at least 6 x --ckpt-every ({6 * args.ckpt_every}) to fit a round's faults")
     chosen = set(filter(None, args.kinds.split(",")))
     unknown = chosen - set(KINDS)
     args.kinds = [k for k in KINDS if k in chosen]
@@ -376,6 +406,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kinds: choose from {', '.join(KINDS)} (got {', '.join(sorted(unknown)) or 'none'})")
     if args.kinds == ["corrupt"]:
         p.error("--kinds: corrupt needs another kind (a checkpoint is corrupted between launches)")
+    # Each launch-ending fault moves the resume point at most 2 x ckpt.every - 1 steps, and the last
+    # one must land 2 x ckpt.every before the end.
+    need = (2 * len([k for k in args.kinds if k != "corrupt"]) + 2) * args.ckpt_every
+    if args.steps < need:
+        p.error(f"--steps must be at least {need} (2 x --ckpt-every per launch-ending kind, + 2) to fit a round's faults")
     return args
 
 

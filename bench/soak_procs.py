@@ -185,6 +185,11 @@ def fill(path: Path, leave_bytes: int) -> int:
     return written
 
 
+def data_file_sizes(step_dir: Path) -> list[int]:
+    """Sizes of the non-JSON files under a checkpoint directory (its tensor data)."""
+    return [p.stat().st_size for p in step_dir.rglob("*") if p.is_file() and p.suffix != ".json"]
+
+
 def dir_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
