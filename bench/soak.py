@@ -96,7 +96,7 @@ class Soak:
         self.active: list[subprocess.Popen] = []
         self.mounts: list[Path] = []
         self.ckpt_bytes = 0  # one checkpoint's size, from the reference run
-        self.file_bytes = 0  # its smallest data file's (a save fails when even that one cannot fit)
+        self.file_bytes = 0  # its largest data file's (one rank's tensors)
         self.plan: dict = {}  # this round's random choices, drawn when it starts
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -171,7 +171,7 @@ class Soak:
         # Exported while the first round starts up (mostly one process importing at a time).
         exporting = self.start_export(run_dir, self.work / "export_reference")
         return {"wall_s": wall, "losses": losses, "ckpt_bytes": procs.dir_bytes(newest),
-                "file_bytes": min(procs.data_file_sizes(newest)),
+                "file_bytes": max(procs.data_file_sizes(newest)),
                 "export": self.work / "export_reference", "exporting": exporting}
 
     # -- one round ---------------------------------------------------------------------------
@@ -263,8 +263,8 @@ class Soak:
 
     def fill_disk(self, run_dir: Path, index: int, pending: list[Fault]) -> Fault:
         """Before an enospc launch: fill the tmpfs so that the launch's first save (on a fresh run
-        its second, so that a checkpoint exists to corrupt) finds a random fraction of its smallest
-        file free. Done before the launch, not at a watched step: a run that outpaces a loaded soak
+        its second, so that a checkpoint exists to corrupt) finds a random fraction of one rank's
+        tensor file free. Done before the launch, not at a watched step: a run that outpaces a loaded soak
         could otherwise finish its saves before the disk is full. Until that save, retention
         deletes nothing (keep_last=2), so every earlier save fits in what is left."""
         latest, dirs = procs.latest_step(run_dir), procs.step_dirs(run_dir)
@@ -273,11 +273,13 @@ class Soak:
         fitting = 1 if not dirs else 0
         # Unfinished saves (newer than ``latest``) are removed when the launch starts: fill their room too.
         unfinished = sum(procs.dir_bytes(d) for s, d in dirs.items() if s > latest)
-        leave = fitting * self.ckpt_bytes + int(self.file_bytes * self.plan["leave"])
+        # The save that must fit also needs room for the logs, metrics and tmpfs page rounding.
+        room = fitting * (self.ckpt_bytes + (1 << 20))
+        leave = room + int(self.file_bytes * self.plan["leave"])
         procs.fill(run_dir / "filler", max(64 << 10, leave - unfinished))
         failing = resume + (fitting + 1) * self.args.ckpt_every
         return Fault("enospc", index, failing, f"disk filled before the launch from step {resume}: the save "
-                     f"of step {failing} finds {leave - fitting * self.ckpt_bytes >> 10} KiB free")
+                     f"of step {failing} finds {leave - room >> 10} KiB free")
 
     def fault_at_planned_step(self, proc: subprocess.Popen, run_dir: Path, offset: int, index: int,
                               kind: str) -> Fault:
