@@ -412,7 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # one must land 2 x ckpt.every before the end.
     need = (2 * len([k for k in args.kinds if k != "corrupt"]) + 2) * args.ckpt_every
     if args.steps < need:
-        p.error(f"--steps must be at least {need} (2 x --ckpt-every per launch-ending kind, + 2) to fit a round's faults")
+        p.error(f"--steps must be at least {need} (2 x --ckpt-every per launch-ending kind, + 2) "
+                "to fit a round's faults")
     return args
 
 
