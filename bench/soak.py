@@ -109,7 +109,7 @@ class Soak:
         return [f"run.dir={run_dir}", f"data.path={data}", f"train.steps={a.steps}",
                 "data.seq_len=64", "train.micro_batch_size=2", f"train.global_batch_size={2 * a.nproc}",
                 "optim.warmup_steps=2", "eval.every=0", f"ckpt.every={a.ckpt_every}", "ckpt.keep_last=2",
-                "log.every=1", "log.progress=plain", "monitor.straggler_every=0"]
+                "log.every=1", "log.progress=plain", "monitor.straggler_every=0", *a.set]
 
     def launch(self, run_dir: Path, data: Path, name: str) -> tuple[subprocess.Popen, Path]:
         """Start ``podtrain launch local`` in its own session, output to a log file."""
@@ -158,15 +158,21 @@ class Soak:
     # -- the reference -----------------------------------------------------------------------
     def reference(self, data: Path) -> dict:
         """The uninterrupted run: its wall time, losses, checkpoint size and export."""
-        run_dir = self.work / "reference"
+        run_dir = self.args.reference or self.work / "reference"
         t0 = time.monotonic()
-        proc, log = self.launch(run_dir, data, "reference")
-        code = self.wait(proc, "the reference run")
+        if self.args.reference is None:
+            proc, log = self.launch(run_dir, data, "reference")
+            code = self.wait(proc, "the reference run")
+            if code != 0:
+                raise RuntimeError(f"the reference run failed (exit {code}); see {log}:\n"
+                                   f"{log.read_text()[-3000:]}")
         wall = time.monotonic() - t0
-        if code != 0:
-            raise RuntimeError(f"the reference run failed (exit {code}); see {log}:\n"
-                               f"{log.read_text()[-3000:]}")
         steps, losses = read_metrics(run_dir, 0)
+        if sorted(set(steps)) != list(range(1, self.args.steps + 1)) or not procs.latest_step(run_dir):
+            raise RuntimeError(f"the reference run {run_dir} did not log steps 1-{self.args.steps} "
+                               "and checkpoint: not a finished run of this config")
+        if self.args.reference is not None:  # its wall time is unknown: "lost" counts the whole round
+            wall = 0.0
         newest = procs.step_dirs(run_dir)[procs.latest_step(run_dir)]
         # Exported while the first round starts up (mostly one process importing at a time).
         exporting = self.start_export(run_dir, self.work / "export_reference")
@@ -395,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attempt-timeout", type=float, default=300.0,
                    help="seconds any one launch, export or wait may take before it counts as a hang")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override of every run (repeatable), e.g. run.seed=5")
+    p.add_argument("--reference", type=Path, metavar="RUN_DIR",
+                   help="a finished uninterrupted run of the same config (--steps, --ckpt-every, --set; "
+                        "ckpt.keep_last aside) to compare with, instead of running one")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated fault kinds of every round (default {','.join(KINDS)})")
@@ -408,11 +419,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kinds: choose from {', '.join(KINDS)} (got {', '.join(sorted(unknown)) or 'none'})")
     if args.kinds == ["corrupt"]:
         p.error("--kinds: corrupt needs another kind (a checkpoint is corrupted between launches)")
-    # Each launch-ending fault moves the resume point at most 2 x ckpt.every - 1 steps, and the last
+    # kill and term move the resume point at most 2 x ckpt.every - 1 steps each, and the last
     # one must land 2 x ckpt.every before the end.
-    need = (2 * len([k for k in args.kinds if k != "corrupt"]) + 2) * args.ckpt_every
+    # one must land 2 x ckpt.every before the end; an enospc launch moves it at most ckpt.every.
+    need = (2 * len([k for k in args.kinds if k in ("kill", "term")]) + 2 + ("enospc" in args.kinds)) * args.ckpt_every
     if args.steps < need:
-        p.error(f"--steps must be at least {need} (2 x --ckpt-every per launch-ending kind, + 2) "
+        p.error(f"--steps must be at least {need} (2 x --ckpt-every per kill/term, + 1 for enospc, + 2) "
                 "to fit a round's faults")
     return args
 
@@ -436,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = args.data or prepare_data(work, args.attempt_timeout)
         ref = soak.reference(data)
-        print(f"soak: reference run of {args.steps} steps took {ref['wall_s']:.1f} s", flush=True)
+        print(f"soak: reference run {args.reference} reused" if args.reference else
+              f"soak: reference run of {args.steps} steps took {ref['wall_s']:.1f} s", flush=True)
         while True:
             t0 = time.monotonic()
             result = soak.round(len(soak.rounds) + 1, data, ref)

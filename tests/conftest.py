@@ -40,3 +40,17 @@ def s3_server():
 def s3_bucket(s3_server) -> str:
     """The name of a fresh, empty bucket on ``s3_server``."""
     return s3_server.new_bucket()
+
+
+@pytest.fixture(scope="session")
+def resume_golden(tmp_path_factory):
+    """test_resume's uninterrupted 2-rank run (a real torchrun, ~30 s of CPU), made once per session:
+    test_resume's golden resumes and test_soak's reference both compare with it."""
+    from test_resume import final_weights, finish, launch, losses, make_data
+
+    base = tmp_path_factory.mktemp("golden")
+    data = make_data(base / "data")
+    code, out = finish(launch(REPO, base / "run", data))
+    assert code == 0, out[-3000:]
+    return {"repo": REPO, "data": data, "run_dir": base / "run", "losses": losses(base / "run"),
+            "weights": final_weights(base / "run")}

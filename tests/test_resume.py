@@ -171,15 +171,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def golden(tmp_path_factory):
-    """The uninterrupted 2-rank run every interrupted one must reproduce."""
-    repo = Path(__file__).resolve().parents[1]
-    base = tmp_path_factory.mktemp("golden")
-    data = make_data(base / "data")
-    code, out = finish(launch(repo, base / "run", data))
-    assert code == 0, out[-3000:]
-    return {"repo": repo, "data": data, "losses": losses(base / "run"),
-            "weights": final_weights(base / "run")}
+def golden(resume_golden):
+    """The uninterrupted 2-rank run every interrupted one must reproduce (conftest: one per session,
+    shared with test_soak)."""
+    return resume_golden
 
 
 def assert_matches_golden(golden: dict, run_dir: Path, resumed_from: int) -> None:

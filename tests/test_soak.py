@@ -6,8 +6,9 @@ corrupted newest checkpoint (resume falls back to the one before), against an un
 reference, bit for bit. kill -9 and SIGTERM have their own exact-resume tests (test_resume.py,
 test_launch_local_exit.py); `bench/soak.py --minutes M` covers all four kinds in every round.
 Both kinds here are injected between launches (the disk is filled before the enospc launch, the
-checkpoint corrupted before the final one), so no race with the run decides the outcome: three
-launches (reference, enospc, final) and two exports, whatever the load.
+checkpoint corrupted before the final one), so no race with the run decides the outcome. The
+reference is test_resume's uninterrupted run (conftest's ``resume_golden``, one per session, same
+config): two launches (enospc, final) and two exports here.
 """
 
 import json
@@ -17,16 +18,16 @@ import subprocess
 import sys
 
 import pytest
-from test_resume import make_data
+from test_resume import OVERRIDES, STEPS
 
 pytestmark = pytest.mark.e2e
 
 SOAK_MINUTES = 0.1
 """The soak's time budget here: one round (the first always runs)."""
 
-SOAK_STEPS, SOAK_CKPT_EVERY = 8, 2
-"""A short run: the fresh enospc launch saves step 2 and fails the save of step 4; step 2 is then
-corrupted, so the final launch starts fresh (the fall-back path) and redoes every step."""
+SOAK_STEPS, SOAK_CKPT_EVERY = STEPS, 3
+"""test_resume's run (10 steps, ckpt.every=3): the fresh enospc launch saves step 3 and fails the
+save of step 6; step 3 is then corrupted, so the final launch starts fresh (the fall-back path)."""
 
 SOAK_SEED = 3
 """The fault plan (free-space fraction, corrupted bytes), fixed so that the suite is deterministic;
@@ -46,13 +47,15 @@ def _can_mount() -> bool:
 
 @pytest.mark.skipif("enospc" in SOAK_KINDS and not _can_mount(),
                     reason="the disk-full fault needs a mount namespace (root or user namespaces)")
-def test_soak_every_fault_survived_and_weights_bit_identical(repo, tmp_path):
+def test_soak_every_fault_survived_and_weights_bit_identical(repo, tmp_path, resume_golden):
     figures_path = tmp_path / "soak.json"
-    data = make_data(tmp_path / "data")
+    data = resume_golden["data"]
+    same_config = [arg for o in OVERRIDES for arg in ("--set", o)]
     done = subprocess.run([sys.executable, str(repo / "bench/soak.py"), "--minutes", str(SOAK_MINUTES),
                            "--steps", str(SOAK_STEPS), "--ckpt-every", str(SOAK_CKPT_EVERY),
                            "--data", str(data), "--kinds", SOAK_KINDS, "--seed", str(SOAK_SEED),
-                           "--json", str(figures_path), "--attempt-timeout", "240"],
+                           "--json", str(figures_path), "--attempt-timeout", "240",
+                           "--reference", str(resume_golden["run_dir"]), *same_config],
                           cwd=repo, capture_output=True, text=True, timeout=900)
     assert figures_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(figures_path.read_text())
