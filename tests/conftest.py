@@ -42,6 +42,60 @@ def s3_bucket(s3_server) -> str:
     return s3_server.new_bucket()
 
 
+# -- work that waits on the network, started when the session starts -----------------------------
+# Resolving a HyperPod image (pip against the real index) spends ~30 s waiting on the network and
+# little CPU: started in the background as soon as the test that checks it is collected, it overlaps
+# with the suite instead of adding to it. The test reads the result (tests/test_launch_k8s.py).
+HYPERPOD_TEST = "test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent"
+_background: dict[str, tuple] = {}
+
+
+def hyperpod_resolution_command(report: Path) -> list[str]:
+    """pip resolving podtrain beside hyperpod-elastic-agent>=1.1.3 into one image, as a dry run."""
+    return [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+            "--retries", "0", "--timeout", "30", "--report", str(report), str(REPO),
+            "hyperpod-elastic-agent>=1.1.3"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start the HyperPod resolution now when its test is selected."""
+    if any(item.name == HYPERPOD_TEST for item in items):
+        import subprocess
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="podtrain-hyperpod-"))
+        log = open(folder / "pip.log", "w+")
+        proc = subprocess.Popen(hyperpod_resolution_command(folder / "report.json"),
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        _background["hyperpod"] = (proc, folder, log)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Never leave the background resolution running."""
+    for proc, _, log in _background.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def hyperpod_resolution(tmp_path):
+    """(exit code, pip's output, its --report path) of the HyperPod resolution: the one started at
+    collection, or run now when this test was selected some other way."""
+    import subprocess
+
+    if "hyperpod" not in _background:
+        report = tmp_path / "report.json"
+        proc = subprocess.run(hyperpod_resolution_command(report), capture_output=True, text=True,
+                              timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr, report
+    proc, folder, log = _background["hyperpod"]
+    code = proc.wait(timeout=300)
+    log.seek(0)
+    return code, log.read(), folder / "report.json"
+
+
 @pytest.fixture(scope="session")
 def resume_golden(tmp_path_factory):
     """test_resume's uninterrupted 2-rank run (a real torchrun, ~30 s of CPU), made once per session:

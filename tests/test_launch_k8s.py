@@ -401,18 +401,15 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent(tmp_path):
+def test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent(hyperpod_resolution):
     """hyperpod-elastic-agent 1.1.3 (hyperpodrun) needs torch < 2.12: podtrain's floors must let
-    pip resolve both into one image. One resolver call, against the real index."""
-    report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-                           "--quiet", "--retries", "0", "--timeout", "30", "--report", str(report),
-                           str(REPO), "hyperpod-elastic-agent>=1.1.3"],
-                          capture_output=True, text=True, timeout=300)
-    unreachable = UNREACHABLE.search(proc.stdout + proc.stderr)
-    if proc.returncode != 0 and unreachable:
+    pip resolve both into one image. One resolver call, against the real index (started when the
+    session starts: tests/conftest.py)."""
+    code, output, report = hyperpod_resolution
+    unreachable = UNREACHABLE.search(output)
+    if code != 0 and unreachable:
         pytest.skip(f"the package index cannot be reached ({unreachable[0]}): nothing to resolve against")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert code == 0, output[-3000:]
     installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
                  for item in json.loads(report.read_text())["install"]}
     assert installed["podtrain"] == podtrain.__version__

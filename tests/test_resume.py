@@ -218,8 +218,10 @@ def test_golden_resume_from_s3_after_sigkill_and_no_secret_in_the_run(golden, tm
     from s3_server import TEST_SECRET
 
     url, run_dir, marker = f"s3://{s3_bucket}/team/ckpt", tmp_path / "run", tmp_path / "fault-fired"
-    fault = f"kill:rank=1,step=5,delay=0.05,once={marker}"
-    proc = launch(golden["repo"], run_dir, golden["data"], f"ckpt.dir={url}", max_restarts=1,
+    # durable=1: rank 1 first waits until the background save of step 3 is committed on S3, so
+    # that a slow machine or server cannot turn this into a fresh start (no sleep, no race).
+    fault = f"kill:rank=1,step=5,delay=0.05,once={marker},durable=1"
+    proc = launch(golden["repo"], run_dir, golden["data"], f"ckpt.dir={url}", "ckpt.keep_last=2", max_restarts=1,
                   env={**fault_env(fault), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     code, out = finish(proc)
     assert code == 0, out[-3000:]
@@ -227,8 +229,8 @@ def test_golden_resume_from_s3_after_sigkill_and_no_secret_in_the_run(golden, tm
     assert f"resumed from {url}/step_000003 (step 3)" in out, out[-3000:]
     assert_matches_golden(golden, run_dir, 3)  # reads the weights back from S3 (config.yaml's ckpt.dir)
     assert not (run_dir / "ckpt").exists()
-    assert {k.split("/")[2] for k in s3_server.keys(s3_bucket)} == {"latest", "step_000006", "step_000009",
-                                                                    "step_000010"}
+    # saves 6, 9, 10 after the resume; keep_last=2: retention on S3 deleted 3 (at 9) and 6 (at 10)
+    assert {k.split("/")[2] for k in s3_server.keys(s3_bucket)} == {"latest", "step_000009", "step_000010"}
     assert TEST_SECRET not in out
     for path in run_dir.rglob("*"):
         assert not path.is_file() or TEST_SECRET.encode() not in path.read_bytes(), path

@@ -73,21 +73,27 @@ def _rank() -> int:
 class StepFault:
     """At the boundary after ``step`` completed steps on ``rank``: SIGKILL this rank ``delay``
     seconds later (mid-step) or SIGTERM its parent (the torchrun agent). ``once`` names a marker
-    file so the fault fires only in the first attempt of a restarted job."""
+    file so the fault fires only in the first attempt of a restarted job. ``durable``: first wait
+    until the checkpoint in flight is committed (``Checkpointer.wait``: this rank's writer learns
+    rank 0's commit), so that a test knows which checkpoint the restart must find, however slow
+    the machine or the storage (a background save of step 3 may otherwise still be writing when
+    step 5 ends)."""
 
     action: str
     rank: int
     step: int
     delay_s: float = 0.0
     once: Path | None = None
+    durable: bool = False
 
     @classmethod
     def from_args(cls, action: str, args: dict[str, str]) -> "StepFault":
-        """Build from ``rank=R,step=K[,delay=S][,once=PATH]``."""
+        """Build from ``rank=R,step=K[,delay=S][,once=PATH][,durable=1]``."""
         return cls(action, int(args["rank"]), int(args["step"]), float(args.get("delay", 0.0)),
-                   Path(args["once"]) if args.get("once") else None)
+                   Path(args["once"]) if args.get("once") else None,
+                   args.get("durable", "0").lower() in ("1", "true", "yes"))
 
-    def maybe_fire(self, rank: int, step: int) -> bool:
+    def maybe_fire(self, rank: int, step: int, checkpointer: Any = None) -> bool:
         """Fire when this is the planned rank and step (and the ``once`` marker is absent)."""
         if rank != self.rank or step != self.step:
             return False
@@ -96,6 +102,8 @@ class StepFault:
                 os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return False
+        if self.durable and checkpointer is not None:
+            checkpointer.wait()  # every rank's writer returns only after rank 0 committed the save
         log.warning("fault injection: %s on rank %d at step %d", self.action, rank, step)
         if self.action == "kill":
             timer = threading.Timer(self.delay_s, os.kill, (os.getpid(), signal.SIGKILL))
@@ -113,7 +121,7 @@ def _at_step_boundary(plan: StepFault, patch: Patch) -> None:
     original = loop.Trainer._should_stop
 
     def patched(self, *a, **kw):
-        plan.maybe_fire(self.ctx.rank, self.step)
+        plan.maybe_fire(self.ctx.rank, self.step, getattr(self, "checkpointer", None))
         return original(self, *a, **kw)
 
     patch(loop.Trainer, "_should_stop", patched)
