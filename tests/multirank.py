@@ -86,3 +86,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def gloo_context():
+    """The DistContext of this forked rank (gloo, CPU), as run_ranks started it."""
+    import torch
+    from podtrain.distributed.env import ClusterEnv
+    from podtrain.distributed.group import DistContext
+
+    env = ClusterEnv.detect()
+    return DistContext(env=env, backend="gloo", device=torch.device("cpu"), initialized=env.world_size > 1)

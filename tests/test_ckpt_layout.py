@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from multirank import run_ranks
+from multirank import gloo_context, run_ranks
 from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.plan import BLOCK_BYTES, block_crcs, split_even, spans, Piece
@@ -22,7 +22,6 @@ from podtrain.ckpt.tensorio import BlockHasher
 from podtrain.ckpt.writer import SaveFailed
 from podtrain.config import load_config
 from podtrain.config_sections import CkptSection
-from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 
@@ -130,8 +129,7 @@ def _train(net, opt, steps: int, seed: int) -> None:
 
 
 def _ctx() -> DistContext:
-    env = ClusterEnv.detect()
-    return DistContext(env=env, backend="gloo", device=torch.device("cpu"), initialized=env.world_size > 1)
+    return gloo_context()
 
 
 def _state(step: int) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from multirank import run_ranks
+from multirank import gloo_context, run_ranks
 from podtrain.ckpt import layout, local_tier
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.config import load_config
@@ -48,8 +48,7 @@ def _train(net, opt, step: int) -> None:
 
 
 def _ctx() -> DistContext:
-    env = ClusterEnv.detect()
-    return DistContext(env=env, backend="gloo", device=torch.device("cpu"), initialized=env.world_size > 1)
+    return gloo_context()
 
 
 def _cfg(base: str, rank: int) -> CkptSection:
