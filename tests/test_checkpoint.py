@@ -283,25 +283,35 @@ def _pickle_rank(rank, world, run_dir, resume):
 
 @pytest.mark.parametrize("name", ["model.pt", "optimizer.bin"])
 def test_pickle_checkpoint_is_refused_and_its_payload_never_runs(tmp_path, name):
-    model, opt = tiny()
-    save_sync(tmp_path, 1, model, opt)  # an older, valid checkpoint is not silently used instead
-    side_effect = tmp_path / "pwned"
-    ckpt = _craft_pickle_checkpoint(tmp_path, side_effect, name)
-    for resume in ("auto", str(ckpt)):
-        errors = run_ranks(_pickle_rank, 2, str(tmp_path), resume, timeout=60)
-        for err in errors:  # both ranks refuse (rank 0 decided, rank 1 did not hang)
-            assert err is not None and "pickle" in err and name in err and "step_000009" in err
-    assert not side_effect.exists()
-
-
-def test_pickle_file_without_manifest_entry_is_refused(tmp_path):
+    """Named explicitly (ckpt.resume=PATH) it is refused on both ranks; under auto it is skipped
+    with a warning for the older valid one (a stray file must not stop the job): never opened."""
     model, opt = tiny()
     save_sync(tmp_path, 1, model, opt)
     side_effect = tmp_path / "pwned"
-    ckpt = tmp_path / "ckpt" / "step_000001"
+    ckpt = _craft_pickle_checkpoint(tmp_path, side_effect, name)
+    errors = run_ranks(_pickle_rank, 2, str(tmp_path), str(ckpt), timeout=60)
+    for err in errors:  # both ranks refuse (rank 0 decided, rank 1 did not hang)
+        assert err is not None and "pickle" in err and name in err and "step_000009" in err
+    assert run_ranks(_pickle_rank, 2, str(tmp_path), "auto", timeout=60) == [None, None]
+    assert not side_effect.exists()
+
+
+def test_pickle_file_without_manifest_entry_skips_that_checkpoint(tmp_path, caplog):
+    """A stray .pt in the newest step directory: resume takes the previous checkpoint, naming
+    the file; the file is never unpickled."""
+    model, opt = tiny()
+    save_sync(tmp_path, 1, model, opt)
+    save_sync(tmp_path, 2, model, opt)
+    side_effect = tmp_path / "pwned"
+    ckpt = tmp_path / "ckpt" / "step_000002"
     torch.save({"x": _Payload(str(side_effect))}, ckpt / "extra.pt")  # zip container, pickle inside
+    caplog.set_level("WARNING", logger="podtrain.checkpoint")
+    ck = Checkpointer(tmp_path, CkptSection(), single_ctx())
+    state = ck.restore(*tiny(), None)
+    ck.close()
+    assert state.step == 1 and "step_000002 holds extra.pt" in caplog.text
     with pytest.raises(UserError, match="extra.pt"):
-        Checkpointer(tmp_path, CkptSection(), single_ctx()).restore(*tiny(), None)
+        Checkpointer(tmp_path, CkptSection(resume=str(ckpt)), single_ctx()).restore(*tiny(), None)
     assert not side_effect.exists()
 
 
@@ -344,17 +354,27 @@ def test_retention_keeps_last_k_and_every_nth(tmp_path):
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]
 
 
-def test_fresh_start_moves_a_newer_timeline_aside(tmp_path):
+def test_fresh_start_is_a_new_lineage_that_leaves_the_old_checkpoints_untouched(tmp_path):
+    """ckpt.resume=never: a new lineage, whose checkpoints go beside the old run's (which owns
+    the location); nothing of the old one is moved or deleted; readers follow the run's lineage."""
     model, opt = tiny()
     save_sync(tmp_path, 5, model, opt)
+    old = json.loads((tmp_path / "lineage.json").read_text())["lineage"]
     ck = Checkpointer(tmp_path, CkptSection(resume="never"), single_ctx())
     assert ck.restore(model, opt, None) is None
+    new = ck.identity.lineage
     ck.save(2, model, opt, None, train_state(2))
     ck.close()
-    assert [s for s, _ in layout.list_checkpoints(tmp_path / "ckpt")] == [2]
-    assert len(list((tmp_path / "ckpt" / "abandoned").iterdir())) == 1
+    assert new != old and json.loads((tmp_path / "lineage.json").read_text())["lineage"] == new
+    assert [s for s, _ in layout.list_checkpoints(tmp_path / "ckpt")] == [5]
+    assert [s for s, _ in layout.list_checkpoints(tmp_path / "ckpt" / "runs" / new)] == [2]
+    assert not (tmp_path / "ckpt" / "abandoned").exists()
     _, _, step = load_latest_weights(tmp_path)
     assert step == 2
+    ck = Checkpointer(tmp_path, CkptSection(), single_ctx())
+    state = ck.restore(model, opt, None)
+    ck.close()
+    assert state.step == 2  # auto: the run's own lineage, not the older run's step 5
 
 
 def test_load_latest_weights_and_user_errors(tmp_path):
@@ -383,10 +403,11 @@ def test_other_architecture_is_a_user_error(tmp_path):
 
 
 def test_should_save_and_repeated_step(tmp_path):
-    ck = Checkpointer(tmp_path, CkptSection(every=3), single_ctx())
-    assert [s for s in range(1, 11) if ck.should_save(s, 10)] == [3, 6, 9, 10]
     ck0 = Checkpointer(tmp_path, CkptSection(every=0), single_ctx())
     assert [s for s in range(1, 11) if ck0.should_save(s, 10)] == [10]
+    ck0.close()  # one Checkpointer holds a run's lease at a time
+    ck = Checkpointer(tmp_path, CkptSection(every=3), single_ctx())
+    assert [s for s in range(1, 11) if ck.should_save(s, 10)] == [3, 6, 9, 10]
     model, opt = tiny()
     ck.save(3, model, opt, None, train_state(3))
     ck.save(3, model, opt, None, train_state(3))  # a stop right after a scheduled save

@@ -313,4 +313,4 @@ def test_a_failed_background_save_stops_every_rank_with_one_line_and_cleans_up(t
     assert "\n" not in line and "No space left on device" in line and "rank 1" in line
     assert line.endswith(f"{tmp_path / 'ckpt'}/step_000001)")
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_000001"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_000001"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "owner.json", "step_000001"]

@@ -92,7 +92,10 @@ def _resume_rank(rank, world, base):
 def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_one(tmp_path):
     base = str(tmp_path)
     saved = run_ranks(_save_rank, 2, base)[0]
-    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    # each run keeps its own folder of the local tier, named by its lineage
+    lineage = json.loads((tmp_path / "run" / "lineage.json").read_text())["lineage"]
+    assert [p.name for p in (tmp_path / "node0").iterdir()] == [lineage]
+    node0, node1 = tmp_path / "node0" / lineage, tmp_path / "node1" / lineage
     # local_keep=2: each rank pruned its own parts; the durable tier has only step 2
     assert sorted(p.name for p in node0.iterdir()) == ["step_000004", "step_000005"]
     assert sorted(p.name for p in (node1 / "step_000005").iterdir()) == ["rank_00001.json", "rank_00001.safetensors"]

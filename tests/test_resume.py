@@ -229,8 +229,8 @@ def test_golden_resume_from_s3_after_sigkill_and_no_secret_in_the_run(golden, tm
     assert f"resumed from {url}/step_000003 (step 3)" in out, out[-3000:]
     assert_matches_golden(golden, run_dir, 3)  # reads the weights back from S3 (config.yaml's ckpt.dir)
     assert not (run_dir / "ckpt").exists()
-    # saves 6, 9, 10 after the resume; keep_last=2: retention on S3 deleted 3 (at 9) and 6 (at 10)
-    assert {k.split("/")[2] for k in s3_server.keys(s3_bucket)} == {"latest", "step_000009", "step_000010"}
+    # saves 6, 9, 10 after the resume; keep_last=2: retention on S3 deleted 3 (at 9) and 6 (at 10); the lease is gone with the job
+    assert {k.split("/")[2] for k in s3_server.keys(s3_bucket)} == {"latest", "owner.json", "step_000009", "step_000010"}
     assert TEST_SECRET not in out
     for path in run_dir.rglob("*"):
         assert not path.is_file() or TEST_SECRET.encode() not in path.read_bytes(), path

@@ -277,6 +277,10 @@ def validate(cfg: RunConfig) -> None:
                         f"got {cfg.eval.max_batches}")
 
 
+RESUME_FROM_RESETS = ("optimizer", "data")
+"""What ``ckpt.resume_from_reset`` may list."""
+
+
 def _validate_ckpt_tiers(ckpt: Any) -> None:
     """ckpt.dir may be s3:// (never with credentials in it); the local tier is a local path."""
     if "://" in ckpt.dir and "@" in ckpt.dir.split("://", 1)[1].split("/", 1)[0]:
@@ -289,6 +293,13 @@ def _validate_ckpt_tiers(ckpt: Any) -> None:
         raise UserError(f"config key 'ckpt.local_every' must not be negative, got {ckpt.local_every}")
     if ckpt.local_keep < 1:
         raise UserError(f"config key 'ckpt.local_keep' must be at least 1, got {ckpt.local_keep}")
+    for key in ("lease_timeout_s", "save_wait_s", "max_outage_s"):
+        if not getattr(ckpt, key) > 0:
+            raise UserError(f"config key 'ckpt.{key}' must be positive, got {getattr(ckpt, key)}")
+    for part in ckpt.resume_from_reset:
+        if part not in RESUME_FROM_RESETS:
+            raise UserError(f"config key 'ckpt.resume_from_reset' lists {part!r}: choose from "
+                            f"{', '.join(RESUME_FROM_RESETS)}")
     if bool(ckpt.local_every) != bool(ckpt.local_dir):
         raise UserError("config keys 'ckpt.local_dir' and 'ckpt.local_every' go together: set both "
                         f"(got local_dir={ckpt.local_dir!r}, local_every={ckpt.local_every})")

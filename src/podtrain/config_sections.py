@@ -153,7 +153,27 @@ class CkptSection:
     async_save: bool = True
     """Write in a background thread: the step loop only pays for a copy to host memory."""
     resume: str = "auto"
-    """auto (newest valid checkpoint in the run directory, else fresh), never, or a path."""
+    """auto (this run's newest valid checkpoint, else fresh), never (a fresh start: a new lineage
+    that leaves every earlier checkpoint untouched), or a path (one of this run's checkpoints to
+    roll back to; another run's is a branch, as with ckpt.resume_from)."""
+    resume_from: str = ""
+    """Start this run from another run's checkpoint (a step directory, a run directory or a
+    checkpoint location; a path or s3://): its weights, and its optimizer state and data position
+    unless ckpt.resume_from_reset says otherwise. Used only while this run has no checkpoint of
+    its own; the run keeps its own lineage and records the other as its parent."""
+    resume_from_reset: list[str] = field(default_factory=list)
+    """What a ckpt.resume_from start does not take over: optimizer (fresh AdamW moments), data
+    (the data position and the step count start from 0, e.g. a new schedule on new data)."""
+    lease_timeout_s: float = 300.0
+    """Seconds without a heartbeat after which another job may take over this run's lease
+    (RUN_DIR/lease, CKPT_DIR/lease); a restart of the same job takes it at once."""
+    save_wait_s: float = 10.0
+    """The longest the step loop waits for the previous save when the next one is due; a save
+    still being written then (slow or unreachable storage) makes this one skipped, with a warning."""
+    max_outage_s: float = 1800.0
+    """Seconds the storage may keep failing saves before the run stops with exit code 203
+    (retryable: Kubernetes' ExitCode policy and podtrain's Slurm script requeue it); shorter
+    outages only skip saves."""
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     """Signals that trigger checkpoint-and-exit at the next step boundary (SIGINT: Ctrl-C, exit
     130; the others exit 143)."""
@@ -165,8 +185,9 @@ class CkptSection:
     memory (cgroup limit included) divided by its ranks. Saves stream through it: when a rank's
     share of the state is larger, the step loop also waits for part of the write."""
     local_dir: str = ""
-    """Node-local directory (NVMe, /dev/shm) of the fast tier, one per run; empty: no local tier.
-    Each rank writes its own pieces there; a restart resumes from the newest step every rank's
+    """Node-local directory (NVMe, /dev/shm) of the fast tier; empty: no local tier. Environment
+    variables are expanded (/nvme/${SLURM_NODEID}); each run keeps its own folder in it (by
+    lineage), so one base YAML is safe. Each rank writes its own pieces there; a restart resumes from the newest step every rank's
     local tier holds (same world size and strategy), else from ckpt.dir."""
     local_every: int = 0
     """Save to ckpt.local_dir every N steps (steps that also save to ckpt.dir write only there);

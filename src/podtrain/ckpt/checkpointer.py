@@ -36,6 +36,7 @@ it (one all_gather) and fall back to the previous checkpoint together.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,9 @@ import torch
 from torch import nn
 
 from podtrain import __version__
-from podtrain.ckpt import layout, local_tier
+from podtrain.ckpt import layout, lineage, local_tier
+from podtrain.ckpt.lease import Lease
+from podtrain.ckpt.lineage import RunIdentity
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.load import finish, prepare, read, read_small
 from podtrain.ckpt.reader import peek_train_state
@@ -54,14 +57,55 @@ from podtrain.ckpt.state import capture_rng, to_plain
 from podtrain.ckpt.statedict import is_dtensor, local_pieces, named_state
 from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import CorruptCheckpoint
-from podtrain.ckpt.writer import CheckpointWriter, SaveFailed, SaveJob, tensor_table
+from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, tensor_table
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import unwrap
+from podtrain.storage.errors import Transient
+
+ABANDON_WAIT_S = 30.0
+"""How long an abandoned save may take to notice (its current request's own timeout)."""
+
+
+class StorageOutage(Transient):
+    """Saves kept failing on transient storage faults for longer than ``ckpt.max_outage_s``:
+    the run stops with the retryable exit code (``podtrain.errors``) and a rerun resumes."""
 
 # The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
+
+
+def _inside(url: str, run_dir: Path) -> bool:
+    """Whether checkpoint location ``url`` lies inside ``run_dir`` (one lease covers both)."""
+    if "://" in url:
+        return False
+    try:
+        Path(url).resolve().relative_to(run_dir.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _read_failure_kind(exc: BaseException) -> str:
+    """How a rank's failure to read its share is handled: "corrupt" (this checkpoint's bytes or
+    files: fall back to the previous one), "transient" (the storage: exit 203, retried later),
+    "user" (one line, exit 2) or "bug"."""
+    if isinstance(exc, Transient):
+        return "transient"
+    if isinstance(exc, (CorruptCheckpoint, OSError, EOFError, StorageError)):
+        return "corrupt"
+    return "user" if isinstance(exc, UserError) else "bug"
+
+
+def expand_local_dir(local_dir: str, ctx: DistContext) -> str:
+    """``ckpt.local_dir`` with environment variables expanded on this rank (``/nvme/${SLURM_NODEID}``);
+    a variable left unset is a one-line error naming it, the rank and the host."""
+    expanded = os.path.expandvars(local_dir)
+    if "$" in expanded:
+        raise UserError(f"ckpt.local_dir={local_dir!r} names an environment variable that is not set on "
+                        f"rank {ctx.rank} (host {ctx.env.hostname}): {expanded!r}")
+    return expanded
 
 
 @dataclass
@@ -80,31 +124,61 @@ class ResumeState:
     saved_world_size: int = 0
     train_state: dict[str, Any] = field(default_factory=dict)
     """Everything the loop saved (config, tokenizer, ...)."""
+    branch: bool = False
+    """The checkpoint is another lineage's: this run starts from it (``ckpt.resume_from``)."""
 
 
 class Checkpointer:
     """Save, resume and retention for one run directory (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, cfg: CkptSection, ctx: DistContext, store=None) -> None:
-        """Every rank constructs one (it creates the background gloo group collectively).
-        ``store``: where checkpoints live (default ``RUN_DIR/ckpt``; see ``podtrain.ckpt.store``)."""
+    def __init__(self, run_dir: Path, cfg: CkptSection, ctx: DistContext) -> None:
+        """Every rank constructs one (it creates the background gloo groups collectively). Rank 0
+        establishes the run's identity (``podtrain.ckpt.lineage``: which lineage, where its
+        checkpoints live) and takes the run's lease (``podtrain.ckpt.lease``), then tells everyone."""
         self.run_dir = Path(run_dir)
-        self.store = store if store is not None else open_store(layout.ckpt_url(self.run_dir, cfg.dir))
         self.cfg = cfg
         self.ctx = ctx
+        self._lease: Lease | None = None
+        self.identity: RunIdentity = self._rank0_decides(self._establish)
+        """This run's lineage and checkpoint location (the same on every rank)."""
+        self.store = open_store(self.identity.ckpt_url)
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
         self._pool = StagingPool(budget, pin=ctx.is_cuda)
         self._fence = CopyFence(ctx.device)
         self._writer = CheckpointWriter(self.store, cfg, ctx)
-        self.local = open_store(cfg.local_dir) if cfg.local_dir else None
-        """The node-local tier's store (``ckpt.local_dir``), or None."""
+        self.local = (open_store(self._agreed("ckpt.local_dir", lambda: lineage.local_url(
+            expand_local_dir(cfg.local_dir, ctx), self.identity.lineage))) if cfg.local_dir else None)
+        """The node-local tier's store (this lineage's folder of ``ckpt.local_dir``), or None."""
         self._local_writer = CheckpointWriter(self.local, cfg, ctx, local=True) if self.local else None
         self._pending: SaveJob | None = None
         self._last_step: int | None = None
+        self._newest: int | None = None
+        """The newest durable step committed or restored by this run (said in messages)."""
+        self._outage_since: float | None = None
+        """When saves started failing for a transient storage fault (monotonic), or None."""
         self.skipped: list[tuple[str, str]] = []
         """Checkpoints the last ``restore`` passed over (name, reason), on rank 0."""
         self.bytes_read = 0
         """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
+
+    def _establish(self) -> RunIdentity:
+        """Rank 0: the run's identity, then its leases (run directory and checkpoint location)."""
+        configured = layout.ckpt_url(self.run_dir, self.cfg.dir)
+        identity = lineage.establish(self.run_dir, configured, fresh_start=self.cfg.resume == "never")
+        stores = [open_store(str(self.run_dir))]
+        if not _inside(identity.ckpt_url, self.run_dir):
+            stores.append(open_store(identity.ckpt_url))
+        self._lease = Lease(stores, identity.lineage, self.ctx.env.job_id, self.ctx.env.hostname,
+                            self.cfg.lease_timeout_s)
+        self._lease.acquire()
+        log.info("run lineage %s%s: checkpoints in %s", identity.lineage,
+                 " (new)" if identity.fresh else "", identity.ckpt_url)
+        return identity
+
+    @property
+    def lease_lost(self) -> str | None:
+        """Rank 0: why this job no longer holds the run's lease (another job took it), or None."""
+        return self._lease.lost if self._lease is not None else None
 
     @property
     def last_save(self) -> dict[str, float]:
@@ -147,11 +221,31 @@ class Checkpointer:
                 return None
             state = self._load(choice, model, optimizer, scaler, check)
             if state is not None:
-                return state
+                return self._adopt(choice, state, optimizer)
             dirty = True
-            if resume != "auto":
-                raise UserError(f"ckpt.resume={resume}: checkpoint {choice['where']} is corrupted (see above)")
+            if resume != "auto" or choice["key"] != "ckpt.resume":
+                raise UserError(f"{choice['key']}={choice['given']}: checkpoint {choice['where']} is "
+                                "corrupted (see above)")
             failed.add(choice["name"])
+
+    def _adopt(self, choice: dict, state: ResumeState, optimizer: torch.optim.Optimizer) -> ResumeState:
+        """Every rank, after a load: a checkpoint of another lineage makes this run its branch
+        (recorded as the parent in RUN_DIR/lineage.json; ``ckpt.resume_from_reset`` applied)."""
+        if choice["lineage"] in (None, self.identity.lineage):
+            return state
+        state.branch = True
+        self.identity.parent = {"lineage": choice["lineage"], "step": state.step, "path": choice["where"]}
+        if self.ctx.is_main:
+            lineage.write(self.run_dir, self.identity)
+            log.info("this run (lineage %s) starts from %s (step %d of lineage %s)%s", self.identity.lineage,
+                     choice["where"], state.step, choice["lineage"],
+                     f", resetting {' and '.join(self.cfg.resume_from_reset)}" if self.cfg.resume_from_reset else "")
+        if "optimizer" in self.cfg.resume_from_reset:
+            optimizer.state.clear()  # AdamW starts its moments anew at the next step
+        if "data" in self.cfg.resume_from_reset:
+            state.loader, state.step, state.tokens_seen = None, 0, 0
+        self._last_step = None  # nothing of this lineage is saved yet
+        return state
 
     def _start_over(self, fresh: Callable[[], None] | None) -> None:
         """Every rank: undo a failed load's partial writes into the weights (``fresh``)."""
@@ -219,12 +313,17 @@ class Checkpointer:
         problem = None
         try:
             self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
-        except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # every failure is agreed below: no rank may wait for one that raised
+            problem = (_read_failure_kind(exc), f"{type(exc).__name__}: {exc}")
         reports = self.ctx.all_gather_object(problem)
         bad = [(r, p) for r, p in enumerate(reports) if p]
+        fatal = next(((r, p) for r, p in bad if p[0] != "corrupt"), None)
+        if fatal is not None:  # not the checkpoint's bytes: falling back would not help
+            rank, (kind, why) = fatal
+            message = f"resuming from {where} failed on rank {rank}: {why}"
+            raise {"transient": lambda m: Transient(where, m), "user": UserError}.get(kind, RuntimeError)(message)
         if bad:
-            rank, why = bad[0]
+            rank, (_, why) = bad[0]
             log.warning("checkpoint %s failed its checks on %d rank(s) (rank %d: %s): every rank falls "
                         "back to the previous checkpoint", where, len(bad), rank, why)
             return None
@@ -232,6 +331,8 @@ class Checkpointer:
         if scaler is not None and raw.get("scaler"):
             scaler.load_state_dict(raw["scaler"])
         self._last_step = step
+        if choice["root"] is None and store is self.store:
+            self._newest = step
         rngs = raw.get("rng") or []
         if len(rngs) != self.ctx.world_size and self.ctx.is_main:
             log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
@@ -246,36 +347,47 @@ class Checkpointer:
                            saved_world_size=len(rngs), train_state=ts)
 
     def _choose(self, resume: str, failed: set[str]) -> dict | None:
-        """Rank 0: clean up unfinished saves, then pick the checkpoint (manifest + sizes only)."""
+        """Rank 0: clean up unfinished saves of this lineage's location (its lease makes them
+        ours), then pick the checkpoint (manifest + sizes only): this lineage's newest, else the
+        ``ckpt.resume_from`` one; an explicit ``ckpt.resume`` path wins."""
         removed = layout.clean_stale(self.store)
         if removed:
             log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
-        store, root = self.store, None
         if resume == "never":
-            if layout.committed_steps(store):
-                log.warning("ckpt.resume=never: starting fresh although %s holds checkpoints "
-                            "(later saves move newer ones to %s/)", store.url, layout.ABANDONED)
+            log.info("ckpt.resume=never: lineage %s starts fresh in %s (earlier checkpoints are left "
+                     "untouched)", self.identity.lineage, self.store.url)
             return None
         if resume != "auto":
-            store, name = layout.resolve_resume(resume)
-            root = store.url
-            if name is not None:
-                manifest, reason = layout.check(store, name)
-                if manifest is None:
-                    raise UserError(f"ckpt.resume={resume}: checkpoint is not usable: {reason}")
-                return self._choice(store, root, name, manifest)
+            return self._explicit("ckpt.resume", resume, failed)
+        choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True)
+        self.skipped = choice.skipped
+        if choice.name is not None:
+            return self._choice(self.store, None, choice.name, choice.manifest)
+        if self.cfg.resume_from:
+            return self._explicit("ckpt.resume_from", self.cfg.resume_from, failed)
+        return None
+
+    def _explicit(self, key: str, given: str, failed: set[str]) -> dict:
+        """Rank 0: the checkpoint a path names (a step directory, or the newest in a run or
+        checkpoint location, whatever its lineage); a one-line error when there is none."""
+        store, name = layout.resolve_resume(given, key)
+        if name is not None:
+            manifest, reason = layout.check(store, name)
+            if manifest is None:
+                raise UserError(f"{key}={given}: checkpoint is not usable: {reason}")
+            return self._choice(store, store.url, name, manifest, key, given)
         choice = layout.find_latest(store, failed)
         self.skipped = choice.skipped
         if choice.name is None:
-            if resume != "auto":
-                raise UserError(f"ckpt.resume={resume}: no valid checkpoint in {store.url}")
-            return None
-        return self._choice(store, root, choice.name, choice.manifest)
+            raise UserError(f"{key}={given}: no valid checkpoint in {store.url}")
+        return self._choice(store, store.url, choice.name, choice.manifest, key, given)
 
     @staticmethod
-    def _choice(store, root: str | None, name: str, manifest: dict) -> dict:
+    def _choice(store, root: str | None, name: str, manifest: dict, key: str = "ckpt.resume",
+                given: str = "auto") -> dict:
         return {"root": root, "name": name, "manifest": manifest, "where": f"{store.url}/{name}",
-                "train_state": peek_train_state(store, name, manifest)}
+                "train_state": peek_train_state(store, name, manifest), "key": key, "given": given,
+                "lineage": lineage.checkpoint_lineage(store, name, manifest)}
 
     def _rank0_decides(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
@@ -321,16 +433,30 @@ class Checkpointer:
         return self.local is not None and self.cfg.local_every > 0 and step % self.cfg.local_every == 0
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False) -> None:
+             scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False,
+             must: bool = False) -> bool:
         """Copy this rank's share to host memory now, write it in the background (every rank, same
-        step) to the durable tier, or to the node-local one (``local``). Saving the step that was
-        just saved durably (a stop signal right after a scheduled save) does nothing."""
+        step) to the durable tier, or to the node-local one (``local``); False when skipped.
+
+        At most one save is in flight (its host buffers are reused): when the previous one is
+        still being written ``ckpt.save_wait_s`` after this one is due (slow or unreachable
+        storage), this one is skipped on every rank alike and training goes on, unless ``must``
+        (the last step), which waits for it. Saving the step that was just saved durably (a stop
+        signal right after a scheduled save) does nothing."""
         if step == self._last_step:
             log.info("step %d is already checkpointed", step)
-            return
-        waited = self.wait()  # at most one save in flight: its buffers are about to be reused
+            return True
+        t0 = time.perf_counter()
+        if not self._settle(must):
+            if self.ctx.is_main:
+                log.warning("checkpoint step %d skipped: the save of step %d is still being written after "
+                            "%.0f s (ckpt.save_wait_s; the storage is slow or unreachable); training goes on",
+                            step, self._pending.step, time.perf_counter() - t0)
+            return False
+        waited = time.perf_counter() - t0
         t0 = time.perf_counter()
         job = self._snapshot(step, model, optimizer, scaler, train_state)
+        job.local = local
         if not local:
             self._last_step = step
         self._pending = job
@@ -344,11 +470,76 @@ class Checkpointer:
                  "background" if self.cfg.async_save else "foreground")
         if not self.cfg.async_save:
             self.wait()
+        return True
+
+    def _settle(self, must: bool) -> bool:
+        """Every rank, when a save is due: is the previous one finished on every rank (waiting up
+        to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
+        or, for a transient storage fault, logged; a storage outage longer than
+        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One small
+        all_gather, at save steps only, so every rank decides the same."""
+        job = self._pending
+        if job is None:
+            return True
+        job.done.wait(None if must else self.cfg.save_wait_s)
+        here = job.done.is_set()
+        since = self._outage_since if self._outage_since is not None else job.submitted
+        outage_here = time.monotonic() - since if not here or job.error is not None else 0.0
+        votes = self.ctx.all_gather_object((here, outage_here))
+        done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
+        if done:
+            self._finish(job)
+        if outage > self.cfg.max_outage_s and (not done or self._outage_since is not None):
+            self.abandon()
+            raise StorageOutage(self.store.url, (
+                f"no checkpoint could be saved for {outage:.0f} s (ckpt.max_outage_s={self.cfg.max_outage_s:g}): "
+                f"the storage is unreachable; stopping with exit code {StorageOutage.exit_code} so that the "
+                f"scheduler retries the job, which resumes from {self._newest_name()}"))
+        return done
+
+    def _finish(self, job: SaveJob, final: bool = False) -> None:
+        """Account for a finished save: success ends an outage; a transient storage fault is
+        logged once (the save is abandoned, nothing of it committed) unless ``final``; anything
+        else raises on every rank (``SaveFailed`` for a storage problem)."""
+        self._pending = None
+        if job.error is None:
+            self._outage_since = None
+            if not job.local:
+                self._newest = job.step
+            return
+        self._last_step = None  # that step is not on disk: saving it again must not be skipped
+        if isinstance(job.error, SaveAbandoned) and not final:
+            if self._outage_since is None:
+                self._outage_since = job.submitted
+            if self.ctx.is_main:
+                log.warning("%s; training goes on and the next save tries again (the newest checkpoint "
+                            "is still %s)", job.error, self._newest_name())
+            return
+        if isinstance(job.error, SaveAbandoned):
+            raise StorageOutage(self.store.url, f"{job.error}; the run stops with exit code "
+                                f"{StorageOutage.exit_code} (retryable) and resumes from {self._newest_name()}")
+        if isinstance(job.error, SaveFailed):
+            steps = layout.committed_steps(self.store)
+            newest = f"{self.store.url}/{steps[-1][1]}" if steps else "none"
+            raise SaveFailed(f"{job.error}; the run stops (the newest checkpoint is still {newest})") from None
+        raise RuntimeError(str(job.error)) from job.error
+
+    def _newest_name(self) -> str:
+        """The newest durable checkpoint this run knows of (no listing: the storage may be down)."""
+        return f"{self.store.url}/{layout.step_name(self._newest)}" if self._newest is not None else "a fresh start"
+
+    def abandon(self) -> None:
+        """Make the save in flight give up at its next storage retry (a stop signal during an
+        outage must exit within ``ckpt.grace_s``): the stores stop retrying for good."""
+        for store in (self.store, self.local):
+            policy = getattr(store, "retry", None)
+            if policy is not None:
+                policy.abandon()
 
     def _snapshot(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                   scaler: torch.amp.GradScaler | None, train_state: dict) -> SaveJob:
         """The job of this save: this rank's pieces in a stream; rank 0 also the small state."""
-        job = SaveJob(step=step, rng=capture_rng(self.ctx.device))
+        job = SaveJob(step=step, rng=capture_rng(self.ctx.device), lineage=self.identity.record())
         net = unwrap(model)
         named = named_state(net, optimizer)
         pieces = local_pieces(named.tensors, self.ctx.rank, self.ctx.world_size)
@@ -377,36 +568,41 @@ class Checkpointer:
         """True once the save in flight has failed (on every rank alike, at slightly different
         times: the loop agrees on it at a step boundary, then calls ``wait``, which raises)."""
         job = self._pending
-        return job is not None and job.done.is_set() and job.error is not None
+        return (job is not None and job.done.is_set() and job.error is not None
+                and not isinstance(job.error, SaveAbandoned))  # a storage fault: the next save retries
 
     def device_stall_s(self) -> float:
         """Seconds the optimizer step after the last save waited (on the device) for its copies,
         once measured (CUDA events, read without blocking; 0 on the CPU and until known)."""
         return self._fence.wait_s()
 
-    def wait(self) -> float:
+    def wait(self, timeout: float | None = None, final: bool = False) -> float:
         """Block until the in-flight save is committed; seconds waited. Raises on every rank when
-        it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint)."""
+        it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
+        a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds the
+        save is abandoned (``abandon``) and no longer waited for."""
         job = self._pending
         if job is None:
             return 0.0
         t0 = time.perf_counter()
-        job.done.wait()
-        self._pending = None
-        if job.error is not None:
-            self._last_step = None  # that step is not on disk: saving it again must not be skipped
-            if isinstance(job.error, SaveFailed):
-                steps = layout.committed_steps(self.store)
-                newest = f"{self.store.url}/{steps[-1][1]}" if steps else "none"
-                raise SaveFailed(f"{job.error}; the run stops (the newest checkpoint is still {newest})") from None
-            raise RuntimeError(str(job.error)) from job.error
+        if not job.done.wait(timeout):
+            log.warning("the save of step %d is still being written after %.0f s: abandoned (the storage "
+                        "is slow or unreachable)", job.step, time.perf_counter() - t0)
+            self.abandon()
+            if not job.done.wait(ABANDON_WAIT_S):
+                self._pending, self._last_step = None, None  # the writer thread is left to finish alone
+                return time.perf_counter() - t0
+        self._finish(job, final=final)
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Wait for the in-flight save, stop the thread, release the group (every exit path)."""
+        """Wait for the in-flight save, stop the thread, release the group and the lease (every
+        exit path)."""
         try:
-            self.wait()
+            self.wait(final=True)
         finally:
+            if self._lease is not None:
+                self._lease.release()
             self._fence.release()
             self._writer.close()
             if self._local_writer is not None:

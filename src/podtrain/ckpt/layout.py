@@ -91,11 +91,23 @@ def ckpt_url(run_dir: str | Path, configured: str = "") -> str:
     return configured or str(Path(run_dir) / CKPT_SUBDIR)
 
 
+LINEAGE_FILE = "lineage.json"
+"""``RUN_DIR/lineage.json``: the run's identity and checkpoint location (``podtrain.ckpt.lineage``)."""
+
+
 def run_ckpt_url(run_dir: str | Path) -> str:
-    """A run's checkpoint location as its ``RUN_DIR/config.yaml`` records it (``ckpt.dir``), else
-    ``RUN_DIR/ckpt``: what ``sample``, ``export``, ``eval`` and the launcher read."""
+    """A run's checkpoint location: the one its ``RUN_DIR/lineage.json`` records (a run that
+    shares a ``ckpt.dir`` keeps its checkpoints in a folder of its own there), else ``ckpt.dir``
+    as its ``RUN_DIR/config.yaml`` records it, else ``RUN_DIR/ckpt``: what ``sample``,
+    ``export``, ``eval``, ``ckpt.resume_from`` and the launcher read."""
     import yaml
 
+    try:
+        recorded = json.loads((Path(run_dir) / LINEAGE_FILE).read_text()).get("ckpt_url")
+        if recorded:
+            return str(recorded)
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
         configured = str((raw.get("ckpt") or {}).get("dir") or "")
@@ -104,9 +116,9 @@ def run_ckpt_url(run_dir: str | Path) -> str:
     return ckpt_url(run_dir, configured)
 
 
-def resolve_resume(resume: str):
-    """``ckpt.resume=PATH`` (a directory or an ``s3://`` URL): ``(store, name)`` of a checkpoint
-    (it holds a manifest), or ``(store, None)`` of a run/ckpt location holding checkpoints."""
+def resolve_resume(resume: str, key: str = "ckpt.resume"):
+    """A checkpoint path (``key``'s value: a directory or an ``s3://`` URL): ``(store, name)`` of a
+    checkpoint (it holds a manifest), or ``(store, None)`` of a run/ckpt location holding checkpoints."""
     resume = resume.rstrip("/")
     if open_store(resume).exists(MANIFEST):
         parent, _, name = resume.rpartition("/")
@@ -118,7 +130,7 @@ def resolve_resume(resume: str):
         store = open_store(candidate)
         if committed_steps(store):
             return store, None
-    raise UserError(f"ckpt.resume={resume}: neither a checkpoint (with {MANIFEST}) nor a run or "
+    raise UserError(f"{key}={resume}: neither a checkpoint (with {MANIFEST}) nor a run or "
                     "checkpoint directory holding checkpoints")
 
 
@@ -203,17 +215,31 @@ def check(store, name: str) -> tuple[dict[str, Any] | None, str]:
     return (None, problem) if problem else (manifest, "")
 
 
-def find_latest(store, exclude: set[str] = frozenset()) -> Choice:
+def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = None,
+                skip_unsafe: bool = False) -> Choice:
     """The newest committed checkpoint whose files have their sizes (``exclude``: names that
-    failed to load); warns naming each one skipped. The newest by step wins over ``latest``: a kill
-    between the manifest and the pointer leaves the pointer one behind."""
+    failed to load; ``lineage``: only that run's); warns naming each one skipped. A checkpoint
+    holding a pickle file is refused (``UnsafeCheckpoint``), or with ``skip_unsafe`` (a training
+    run's resume: a stray file must not stop the job) skipped like a damaged one. The newest by step wins over
+    ``latest``: a kill between the manifest and the pointer leaves the pointer one behind."""
     choice = Choice()
     steps = [(s, n) for s, n in _step_dirs(store)]
     for _, name in reversed(steps):
         if name in exclude:
             choice.skipped.append((name, "failed to load"))
             continue
-        manifest, reason = check(store, name)
+        try:
+            manifest, reason = check(store, name)
+        except UnsafeCheckpoint as exc:
+            if not skip_unsafe:
+                raise
+            manifest, reason = None, str(exc)
+        if manifest is not None and lineage is not None:
+            from podtrain.ckpt.lineage import checkpoint_lineage  # lineage imports this module
+
+            other = checkpoint_lineage(store, name, manifest)
+            if other not in (None, lineage):
+                manifest, reason = None, f"it belongs to another run (lineage {other}, not {lineage})"
         if manifest is not None:
             choice.name, choice.manifest = name, manifest
             return choice

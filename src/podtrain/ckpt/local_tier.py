@@ -5,9 +5,12 @@ A node-local directory (NVMe, ``/dev/shm``) holds only the pieces of that node's
 single rank can see a local checkpoint whole and rank 0's manifest alone cannot commit it. The
 layout is the durable one (``podtrain.ckpt.layout``), plus one marker per rank::
 
-    LOCAL_DIR/step_000120/rank_00003.safetensors   rank 3's pieces (as in the durable tier)
-    LOCAL_DIR/step_000120/rank_00003.json          rank 3's commit: written after its piece file
-    LOCAL_DIR/step_000120/manifest.json, state.*   rank 0's node only: the full manifest, small state
+    LOCAL_DIR/<lineage>/step_000120/rank_00003.safetensors   rank 3's pieces (as in the durable tier)
+    LOCAL_DIR/<lineage>/step_000120/rank_00003.json          rank 3's commit, after its piece file
+    LOCAL_DIR/<lineage>/step_000120/manifest.json, state.*   rank 0's node only: manifest, small state
+
+Each run keeps its own folder (``podtrain.ckpt.lineage``): runs that share one ``ckpt.local_dir``
+(one base YAML) never see, restore or prune each other's steps.
 
 A step is complete when EVERY rank holds its marker and rank 0 holds the manifest: at start every
 rank lists the steps it holds (``held_steps``), one all_gather intersects them, and rank 0
@@ -44,9 +47,11 @@ def own_files(rank: int) -> list[str]:
     return [marker(rank), layout.rank_file(rank), *(_RANK0_FILES if rank == 0 else ())]
 
 
-def write_marker(store, name: str, rank: int, world: int, record: tuple | None) -> None:
-    """Commit this rank's part of local step ``name`` (after its piece file is in place)."""
-    body = {"world_size": world, "file": record[0] if record else None,
+def write_marker(store, name: str, rank: int, world: int, record: tuple | None,
+                 lineage: str | None = None) -> None:
+    """Commit this rank's part of local step ``name`` (after its piece file is in place); the
+    marker names the run's lineage."""
+    body = {"world_size": world, "lineage": lineage, "file": record[0] if record else None,
             "bytes": record[1]["bytes"] if record else 0}
     store.write_bytes(f"{name}/{marker(rank)}", json.dumps(body).encode())
 

@@ -45,6 +45,7 @@ from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
+from podtrain.storage.errors import Transient
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -55,6 +56,12 @@ CKPT_GROUP_TIMEOUT_S = 3600.0
 
 class SaveFailed(UserError):
     """A checkpoint could not be written (no space, read-only storage...): every rank raises it."""
+
+
+class SaveAbandoned(SaveFailed):
+    """A save failed on a transient storage fault (throttling, 5xx, a dropped connection) once
+    the store's retries were spent, or was abandoned: nothing of it is committed, and the run goes
+    on (the next save tries again; ``ckpt.max_outage_s`` bounds how long)."""
 
 
 @dataclass
@@ -73,8 +80,13 @@ class SaveJob:
     small: dict[str, torch.Tensor] = field(default_factory=dict)
     """Small tensors referenced by ``state_plain`` (rank 0 writes them)."""
     model_config: str | None = None
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """The run identity every manifest and local marker carries: ``{"lineage", "parent"}``."""
     strategy: str = ""
     stall_s: float = 0.0
+    local: bool = False
+    """Written to the node-local tier."""
+    submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     write_s: float = 0.0
@@ -160,7 +172,7 @@ class CheckpointWriter:
             error = self._outcome(self._write_own, job, name, out)
         if error is None and self.local:
             error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
-                                  self.ctx.world_size, out.get("record"))
+                                  self.ctx.world_size, out.get("record"), job.lineage.get("lineage"))
         reports = self._all_gather((error, out.get("record")))
         error = next((e for e, _ in reports if e), None)
         if self.ctx.is_main:
@@ -175,20 +187,23 @@ class CheckpointWriter:
             else:
                 local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep)
         if error is not None:
-            user, message = error
-            raise (SaveFailed if user else RuntimeError)(f"{self.tier} checkpoint of step {job.step} "
-                                                         f"failed: {message}")
+            kind, message = error
+            cls = {"transient": SaveAbandoned, "user": SaveFailed}.get(kind, RuntimeError)
+            raise cls(f"{self.tier} checkpoint of step {job.step} failed: {message}")
 
-    def _outcome(self, fn, *args) -> tuple[bool, str] | None:
-        """None when ``fn(*args)`` succeeds, else ``(is a user/storage error, one line naming the rank)``."""
+    def _outcome(self, fn, *args) -> tuple[str, str] | None:
+        """None when ``fn(*args)`` succeeds, else ``(kind, one line naming the rank)``: kind is
+        "transient" (a storage fault worth trying again later), "user" (no space, permissions:
+        the user's to fix) or "bug"."""
         try:
             fn(*args)
             return None
         except Exception as exc:
-            user = isinstance(exc, (OSError, UserError))  # storage errors are UserErrors
-            if not user:
+            kind = ("transient" if isinstance(exc, Transient) else
+                    "user" if isinstance(exc, (OSError, UserError)) else "bug")  # storage errors are UserErrors
+            if kind == "bug":
                 log.exception("checkpoint writer on rank %d failed", self.ctx.rank)
-            return user, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+            return kind, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
 
     def _prepare(self, name: str) -> None:
         # The same step saved by an earlier timeline, or a killed save: gone before anyone writes.
@@ -219,7 +234,7 @@ class CheckpointWriter:
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
-        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__,
+        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__, **job.lineage,
                     "world_size": self.ctx.world_size, "strategy": job.strategy, "created": time.time(),
                     "tensors": job.tensors, "files": files}
         self.store.write_bytes(f"{name}/{layout.MANIFEST}", json.dumps(manifest, separators=(",", ":")).encode())

@@ -16,6 +16,7 @@ Everything here is pure: ``ClusterEnv.detect(environ)`` takes a mapping so tests
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -41,6 +42,8 @@ class ClusterEnv:
         master_addr: rendezvous host for the default process group.
         master_port: rendezvous port.
         hostname: this host's name, for messages that must name a host.
+        job_id: the job this process belongs to, the same for every rank and across restarts of
+            the job ("slurm:<SLURM_JOB_ID>", else "torchrun:<TORCHELASTIC_RUN_ID>"; "" alone).
     """
 
     launcher: str
@@ -52,6 +55,7 @@ class ClusterEnv:
     master_addr: str
     master_port: int
     hostname: str
+    job_id: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -72,6 +76,10 @@ class ClusterEnv:
     def detect(cls, environ: Mapping[str, str] | None = None) -> "ClusterEnv":
         """Build the environment from launcher variables (``os.environ`` by default)."""
         env = os.environ if environ is None else environ
+        return dataclasses.replace(cls._detect(env), job_id=job_id(env))
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> "ClusterEnv":
         # Not $HOSTNAME: under srun it is the batch shell's, i.e. the first node's, on every node.
         hostname = env.get("PODTRAIN_HOSTNAME") or socket.gethostname()
         if "RANK" in env and "WORLD_SIZE" in env:
@@ -119,6 +127,16 @@ class ClusterEnv:
             master_port=_int(env, "MASTER_PORT", slurm_port(env.get("SLURM_JOB_ID", "0"))),
             hostname=hostname,
         )
+
+
+def job_id(env: Mapping[str, str]) -> str:
+    """The job's identity across its restarts (a Slurm requeue keeps SLURM_JOB_ID; torchrun's
+    restarts keep its rendezvous id, as does every pod of a PyTorchJob); "" without a launcher."""
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm:{env['SLURM_JOB_ID']}"
+    if env.get("TORCHELASTIC_RUN_ID", "none") != "none":  # torchrun's default id is "none"
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}"
+    return ""
 
 
 SLURM_PORT_BASE = 20000

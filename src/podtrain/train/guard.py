@@ -63,6 +63,25 @@ class StepJudge:
         self._slot += 1
         return bad
 
+    def state_dict(self) -> dict:
+        """The history and its write position, for the checkpoint (one small device-to-host copy,
+        at save steps only): a resumed run judges its next steps as the uninterrupted one would."""
+        return {"history": self.history.cpu().tolist(), "slot": self._slot}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put a checkpoint's history back; one saved with another ``guard.history`` keeps the
+        newest norms that fit (the spike verdict waits until the history is full again)."""
+        saved = torch.tensor(state.get("history") or [], dtype=torch.float32)
+        slot = int(state.get("slot", 0))
+        self.reset()
+        if saved.numel() == 0:
+            return
+        # Oldest first, as they were written (slot points at the oldest once the ring wrapped).
+        order = torch.cat([saved[slot % saved.numel():], saved[:slot % saved.numel()]]) if slot >= saved.numel() else saved[:slot]
+        order = order[~torch.isnan(order)][-self.history.numel():]
+        self.history[: order.numel()] = order.to(self.history.device)
+        self._slot = order.numel()
+
     def reset(self) -> None:
         """Forget the history (after a rollback the weights are older than the norms)."""
         self.history.fill_(float("nan"))
@@ -101,6 +120,18 @@ class Guard:
             self.rollbacks += 1
             self._pending.append((record["start"], record["end"]))
         self._pending.sort()
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to decide as the uninterrupted one: the recent bad steps
+        (``guard.window``), the stream positions of recent steps and the skipped count."""
+        return {"recent_bad": list(self._recent_bad), "skipped_total": self.skipped_total,
+                "positions": [[step, *pos] for step, pos in sorted(self._positions.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's ``state_dict`` (at start-up; rollbacks keep their own)."""
+        self._recent_bad = deque(int(s) for s in state.get("recent_bad", []))
+        self.skipped_total = int(state.get("skipped_total", 0))
+        self._positions = {int(step): (int(a), int(b)) for step, a, b in state.get("positions", [])}
 
     def records(self) -> list[dict]:
         """The run's rollbacks so far (``RUN_DIR/skipped.jsonl``)."""

@@ -59,6 +59,9 @@ from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy
 
 log = logging.getLogger("podtrain")
 
+STOP_SAVE_SHARE = 0.8
+"""The share of ``ckpt.grace_s`` a stop signal's save may take before it is abandoned."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``podtrain train CONFIG [section.key=value ...]``."""
@@ -228,10 +231,12 @@ class Trainer:
 
     def _setup_checkpoints(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
+        self.run_id = self.checkpointer.identity.lineage  # the run's id across its restarts
         state = restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
         if state is not None:
             self.apply_resume(state)
-        self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
+            saving.restore_guard(self, state.train_state.get("guard"))
         self.saves = SaveSchedule(self.cfg.ckpt, self.step)
         self.stop_signal = StopSignal(self.cfg.ckpt.signals)
 
@@ -301,10 +306,12 @@ class Trainer:
             if self.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
                 interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
+            # The checkpoint before the evaluation: an evaluation that fails (memory, a task's
+            # bug) must not cost the steps since the last save, at every restart again.
+            if tier := saving.due(self, total):
+                interval.exclude(saving.save(self, tier, must=last) or 0.0)
             if self.evals.due(self.step, last):
                 interval.exclude(self.goodput.add("eval", self._evaluate(last)))
-            if tier := saving.due(self, total):
-                interval.exclude(saving.save(self, tier))
         self.stop_signal.drain()
         self._summary()
         return self.result
@@ -382,16 +389,26 @@ class Trainer:
         """Apply a restored checkpoint's loop state (start-up and the guard's rollback)."""
         saving.apply_resume(self, state)
 
-    def _save(self) -> float:
+    def _save(self) -> float | None:
         return saving.save(self)
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank, then end the job with the requeue status."""
         self._stop_watchdog()  # the final write may take longer than a step may
-        self._save()
-        waited = self.checkpointer.wait()
+        saved = self._save() is not None
+        # Within the grace period, whatever the storage does: past it the scheduler's SIGKILL
+        # would cut the write anyway, so an unfinished save is abandoned (nothing of it commits).
+        since = self.stop_signal.seconds_since_signal() or 0.0
+        budget = max(1.0, STOP_SAVE_SHARE * self.cfg.ckpt.grace_s - since)
+        waited = self.checkpointer.wait(timeout=budget)
+        saved = saved and self.checkpointer.last_save.get("step") == self.step
         if self.ctx.is_main:  # one line for the job, not one per rank
-            log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+            if saved:
+                log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
+            else:
+                log.warning("stop signal: step %d could not be saved within the grace period (storage slow "
+                            "or unreachable); exiting with %d, the run resumes from its newest checkpoint",
+                            self.step, self.stop_signal.exit_code)
         self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:

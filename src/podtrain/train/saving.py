@@ -25,7 +25,24 @@ def train_state(trainer: Any) -> dict[str, Any]:
     return {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "loader": trainer.loader.state_dict(),
             "run_id": trainer.run_id, "config": to_dict(trainer.cfg),
             "tokenizer_sha256": trainer.loader.manifest.raw["tokenizer"].get("sha256"),
-            "tokenizer": tokenizer_identity(trainer.loader.manifest.tokenizer)}
+            "tokenizer": tokenizer_identity(trainer.loader.manifest.tokenizer),
+            "guard": guard_state(trainer)}
+
+
+def guard_state(trainer: Any) -> dict[str, Any] | None:
+    """The guard's memory (the judge's recent norms, the window of bad steps): part of the
+    checkpoint, so that a resumed run skips exactly the steps the uninterrupted one would."""
+    judge = trainer.stepper.judge
+    if judge is None:
+        return None
+    return {"judge": judge.state_dict(), "window": trainer.guard.state_dict()}
+
+
+def restore_guard(trainer: Any, state: dict[str, Any] | None) -> None:
+    """At start-up, after a resume: the guard's memory as saved (none in older checkpoints)."""
+    if state and trainer.stepper.judge is not None:
+        trainer.stepper.judge.load_state_dict(state.get("judge") or {})
+        trainer.guard.load_state_dict(state.get("window") or {})
 
 
 def due(trainer: Any, total: int) -> str | None:
@@ -36,8 +53,10 @@ def due(trainer: Any, total: int) -> str | None:
     return "local" if trainer.checkpointer.local_due(trainer.step) else None
 
 
-def save(trainer: Any, tier: str = "durable") -> float:
-    """Checkpoint this step (every rank) to ``tier``; returns the step loop's stall in seconds.
+def save(trainer: Any, tier: str = "durable", must: bool = False) -> float | None:
+    """Checkpoint this step (every rank) to ``tier``; returns the step loop's stall in seconds,
+    or None when the save was skipped (the previous one still being written: ``ckpt.save_wait_s``).
+    ``must``: the last step, which waits for the previous save rather than skip.
 
     The stall is the host time of ``Checkpointer.save`` plus, on a GPU, the time the optimizer
     step after the previous save waited on the device for that save's copies (CUDA events, known
@@ -48,11 +67,14 @@ def save(trainer: Any, tier: str = "durable") -> float:
                         "checkpoint stays the newest); lower optim.lr")
     device_wait = trainer.checkpointer.device_stall_s()
     t0 = time.perf_counter()
-    trainer.checkpointer.save(trainer.step, trainer.model, trainer.optimizer, trainer.stepper.scaler,
-                              train_state(trainer), local=tier == "local")
+    saved = trainer.checkpointer.save(trainer.step, trainer.model, trainer.optimizer, trainer.stepper.scaler,
+                                      train_state(trainer), local=tier == "local", must=must)
     host = time.perf_counter() - t0
     stall = trainer.goodput.add("save_stall", host + device_wait)
-    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "tier": tier, "time": time.time()})
+    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "tier": tier,
+                           "skipped": not saved, "time": time.time()})
+    if not saved:
+        return None
     if trainer.saves.auto and tier == "durable":  # rank 0's measurements, so that every rank plans the same steps
         trainer.saves.saved(trainer.step, *trainer.ctx.broadcast_object((stall, trainer.goodput.step_seconds())))
     return host
@@ -61,7 +83,12 @@ def save(trainer: Any, tier: str = "durable") -> float:
 def should_stop(trainer: Any) -> bool:
     """At a step boundary, on every rank: a stop signal, or a failed background save, agreed by
     all ranks. A failed save raises its one-line ``SaveFailed`` here, on every rank alike."""
-    stop = trainer.stop_signal.should_stop(trainer.ctx, trainer.checkpointer.failed)
+    stop = trainer.stop_signal.should_stop(trainer.ctx, trainer.checkpointer.failed,
+                                           trainer.checkpointer.lease_lost is not None)
+    if stop and trainer.stop_signal.lease_lost_agreed:
+        raise UserError(f"another job took over this run at step {trainer.step} ("
+                        f"{trainer.checkpointer.lease_lost or 'see rank 0'}): this job stops without "
+                        "saving, so that two jobs never write one run")
     if stop and trainer.stop_signal.save_failed_agreed:
         trainer.checkpointer.wait()  # raises the failure (every rank's writer learned the same)
     return stop
@@ -70,8 +97,8 @@ def should_stop(trainer: Any) -> bool:
 def apply_resume(trainer: Any, state: ResumeState) -> None:
     """Put a restored checkpoint's loop state (step, tokens, data position, RNG) into ``trainer``."""
     trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
-    trainer.run_id = state.run_id or trainer.run_id
-    trainer.loader.load_state_dict(state.loader)
+    if state.loader is not None:  # None: a branch that starts its data anew (ckpt.resume_from_reset)
+        trainer.loader.load_state_dict(state.loader)
     if state.rng is not None:
         restore_rng(state.rng, trainer.ctx.device)
     log.info("resumed from step %d (epoch %d, %d samples consumed)", trainer.step,

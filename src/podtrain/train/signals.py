@@ -63,6 +63,7 @@ def parse_signal(name: str) -> signal.Signals:
 
 # The agreed flag's bits (MAX over ranks keeps the save failure, the stronger reason).
 _SIGNALLED, _SAVE_FAILED = 1, 2
+_LEASE_LOST = 4  # above 1 | 2, so the agreed maximum says whether any rank (rank 0) lost the lease
 
 
 class StopSignal:
@@ -82,6 +83,8 @@ class StopSignal:
         self._pending: tuple[Any, Any] | None = None
         self._stop_agreed = False
         self.save_failed_agreed = False
+        self.lease_lost_agreed = False
+        """Some rank (rank 0, the lease holder) found the run's lease taken by another job."""
         """True once the ranks agreed that a background checkpoint failed (they stop with its error)."""
         if threading.current_thread() is not threading.main_thread():
             log.warning("stop signals not installed: only the main thread may set signal handlers")
@@ -132,7 +135,7 @@ class StopSignal:
         """Seconds since this rank received its signal (to log a save against the grace period)."""
         return None if self.received_at is None else time.monotonic() - self.received_at
 
-    def should_stop(self, ctx: DistContext, save_failed: bool = False) -> bool:
+    def should_stop(self, ctx: DistContext, save_failed: bool = False, lease_lost: bool = False) -> bool:
         """Every rank, at every step boundary: True on all ranks when any rank got a signal, or
         reported ``save_failed`` (its background checkpoint failed: then ``save_failed_agreed``).
 
@@ -144,20 +147,22 @@ class StopSignal:
         if self._stop_agreed:
             return True  # agreed once: every later boundary stops too, without a collective
         if not ctx.initialized:
-            code = self._local_code(save_failed)
+            code = self._local_code(save_failed, lease_lost)
         else:
             code = self._agreed()
             if not code:
-                self._start_agreement(ctx, save_failed)
+                self._start_agreement(ctx, save_failed, lease_lost)
         self._stop_agreed = code > 0
         self.save_failed_agreed = bool(code & _SAVE_FAILED)
+        self.lease_lost_agreed = code >= _LEASE_LOST
         if code == _SIGNALLED and ctx.is_main:
             name = signal.Signals(self.received).name if self.received else "a signal on another rank"
             log.warning("stop requested (%s): checkpointing and exiting at this step boundary", name)
         return self._stop_agreed
 
-    def _local_code(self, save_failed: bool) -> int:
-        return (_SIGNALLED if self.received is not None else 0) | (_SAVE_FAILED if save_failed else 0)
+    def _local_code(self, save_failed: bool, lease_lost: bool = False) -> int:
+        return ((_SIGNALLED if self.received is not None else 0) | (_SAVE_FAILED if save_failed else 0)
+                | (_LEASE_LOST if lease_lost else 0))
 
     def _agreed(self) -> int:
         """The value the ranks agreed on at the previous boundary (0 at the first)."""
@@ -169,8 +174,8 @@ class StopSignal:
         entry.done()
         return int(self._flag[0])
 
-    def _start_agreement(self, ctx: DistContext, save_failed: bool = False) -> None:
-        self._flag[0] = self._local_code(save_failed)
+    def _start_agreement(self, ctx: DistContext, save_failed: bool = False, lease_lost: bool = False) -> None:
+        self._flag[0] = self._local_code(save_failed, lease_lost)
         # Recorded with its work object: the watchdog sees an agreement no peer ever joined.
         entry = ctx.recorder.begin("all_reduce", self._flag, caller="StopSignal.should_stop")
         work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._cpu_group(ctx),

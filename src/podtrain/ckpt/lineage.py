@@ -1,0 +1,185 @@
+"""Run identity: which checkpoints are this run's, and where its own go.
+
+Teams start dozens of runs from one base YAML against one shared ``ckpt.dir`` and one
+``ckpt.local_dir``. A run must never resume, prune or clean up another run's checkpoints, so each
+run has a **lineage** id: new at a fresh start, kept by every resume of the run (it is the run's
+``run_id`` in metrics and trackers), written into every manifest and local-tier marker.
+
+Where things are recorded::
+
+    RUN_DIR/lineage.json          {"lineage", "ckpt_url", "parent", "created"}: the run's identity;
+                                  a restart of the run reads it (rank 0) and resumes only its lineage
+    CKPT_DIR/owner.json           the lineage that owns this checkpoint location's top level
+    CKPT_DIR/runs/<lineage>/      the checkpoints of any other lineage given the same ckpt.dir
+    LOCAL_DIR/<lineage>/          every lineage's node-local tier in a folder of its own
+
+The first lineage to use a ``ckpt.dir`` owns it (``owner.json``; checkpoints of a podtrain that
+predates lineages count as their run's); any other lineage that is given the same ``ckpt.dir``
+writes under ``CKPT_DIR/runs/<lineage>/`` and says so in one line naming the owner and the ways
+to continue or branch from it. So an LR sweep from one base YAML starts fresh in every run,
+and nothing of the first run is touched.
+
+Starting from another run's checkpoint on purpose is ``ckpt.resume_from``: the new run keeps its
+own lineage and records the other one as its ``parent``. Everything here runs on rank 0; the
+checkpointer broadcasts what it decides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from podtrain.ckpt import layout
+from podtrain.ckpt.store import NotFound, StorageError, open_store
+
+log = logging.getLogger("podtrain.checkpoint")
+
+LINEAGE_FILE = layout.LINEAGE_FILE
+OWNER_FILE = "owner.json"
+RUNS_SUBDIR = "runs"
+
+
+def new_lineage() -> str:
+    """A fresh lineage id (12 hex digits, as podtrain's run ids have always been)."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class RunIdentity:
+    """Who this run is and where its durable checkpoints live (rank 0 decides, all ranks hold it)."""
+
+    lineage: str
+    ckpt_url: str
+    """This lineage's checkpoint location: ``ckpt.dir`` itself, or ``ckpt.dir/runs/<lineage>``."""
+    parent: dict[str, Any] | None = None
+    """Where a ``ckpt.resume_from`` start came from: ``{"lineage", "step", "path"}``; None."""
+    created: float = 0.0
+    fresh: bool = True
+    """True when this start created the lineage (nothing of it can exist yet)."""
+
+    def record(self) -> dict[str, Any]:
+        """What ``RUN_DIR/lineage.json`` and every manifest carry."""
+        return {"lineage": self.lineage, "parent": self.parent}
+
+
+def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None:
+    """The lineage of checkpoint ``name``: the manifest's, else (a checkpoint written before
+    lineages) the ``run_id`` its train state kept, else None."""
+    if manifest.get("lineage"):
+        return str(manifest["lineage"])
+    from podtrain.ckpt.reader import peek_train_state  # the reader imports layout only
+
+    try:
+        run_id = peek_train_state(store, name, manifest).get("run_id")
+    except (ValueError, KeyError, StorageError, OSError):
+        return None
+    return str(run_id) if run_id else None
+
+
+def read_json(store, name: str) -> dict[str, Any] | None:
+    """A small JSON object at ``name``, or None when absent or unreadable (warned)."""
+    try:
+        data = json.loads(store.read_bytes(name))
+    except (NotFound, FileNotFoundError):
+        return None
+    except (ValueError, UnicodeDecodeError) as exc:
+        log.warning("%s/%s is not valid JSON (%s): ignored", store.url, name, exc)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def owner_of(store) -> dict[str, Any] | None:
+    """The owner record of a checkpoint location: ``owner.json``, else the lineage of its newest
+    committed checkpoint (a location written before lineages), else None (nobody owns it)."""
+    owner = read_json(store, OWNER_FILE)
+    if owner and owner.get("lineage"):
+        return owner
+    for step, name in reversed(layout.committed_steps(store)):
+        try:
+            manifest = layout.read_manifest(store, name)
+        except (ValueError, StorageError):
+            continue
+        lineage = checkpoint_lineage(store, name, manifest)
+        if lineage:
+            return {"lineage": lineage, "run_dir": None, "newest_step": step}
+    return None
+
+
+def _legacy_run_id(run_dir: Path) -> str | None:
+    """The run id a run directory's metrics carry (a run started before lineage.json existed)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            run_id = json.loads(line).get("run_id")
+        except (ValueError, AttributeError):
+            continue
+        if run_id:
+            return str(run_id)
+    return None
+
+
+def establish(run_dir: Path, configured_url: str, fresh_start: bool) -> RunIdentity:
+    """Rank 0: this run's identity and checkpoint location, recorded in ``RUN_DIR/lineage.json``.
+
+    ``configured_url``: ``ckpt.dir`` (or ``RUN_DIR/ckpt``). ``fresh_start`` (``ckpt.resume=never``):
+    a new lineage even when the run directory has one. The lineage of the run directory is kept
+    otherwise; a run directory without ``lineage.json`` adopts the run id its ``metrics.jsonl``
+    carries (checkpoints written before lineages stay resumable), else starts a new lineage.
+    """
+    run_dir = Path(run_dir)
+    recorded = None if fresh_start else read_json(open_store(str(run_dir)), LINEAGE_FILE)
+    if recorded and recorded.get("lineage"):
+        lineage, parent, fresh = str(recorded["lineage"]), recorded.get("parent"), False
+        created = float(recorded.get("created") or time.time())
+    else:
+        adopted = None if fresh_start else _legacy_run_id(run_dir)
+        lineage, parent, fresh, created = adopted or new_lineage(), None, adopted is None, time.time()
+    identity = RunIdentity(lineage, _location(run_dir, configured_url, lineage), parent, created, fresh)
+    write(run_dir, identity)
+    return identity
+
+
+def _location(run_dir: Path, configured_url: str, lineage: str) -> str:
+    """The checkpoint location of ``lineage`` under ``configured_url``: the top level when this
+    lineage owns it or nobody does (then it claims it), else ``runs/<lineage>``."""
+    base = open_store(configured_url)
+    owner = owner_of(base)
+    if owner is None:
+        claim = {"lineage": lineage, "run_dir": str(run_dir.resolve()), "created": time.time()}
+        base.write_bytes(OWNER_FILE, json.dumps(claim).encode())
+        owner = read_json(base, OWNER_FILE) or claim  # two fresh runs at once: the last write owns it
+    if owner.get("lineage") == lineage:
+        return configured_url
+    own = f"{configured_url.rstrip('/')}/{RUNS_SUBDIR}/{lineage}"
+    if not layout.committed_steps(open_store(own)):  # said once, when this lineage starts there
+        newest = layout.committed_steps(base)
+        log.warning(
+            "%s belongs to another run (lineage %s%s%s): podtrain never resumes, prunes or overwrites "
+            "another run's checkpoints, so this run (lineage %s) keeps its own in %s. To continue "
+            "that run, use its run.dir; to start from its weights, set ckpt.resume_from=%s; to "
+            "keep runs apart from the start, give each its own ckpt.dir", configured_url,
+            owner.get("lineage"), f", run.dir {owner['run_dir']}" if owner.get("run_dir") else "",
+            f", newest step {newest[-1][0]}" if newest else "", lineage, own,
+            f"{configured_url.rstrip('/')}/{newest[-1][1]}" if newest else configured_url)
+    return own
+
+
+def write(run_dir: Path, identity: RunIdentity) -> None:
+    """Record ``identity`` in ``RUN_DIR/lineage.json`` (atomically)."""
+    body = {**asdict(identity)}
+    body.pop("fresh")
+    open_store(str(run_dir)).write_bytes(LINEAGE_FILE, json.dumps(body, indent=1).encode())
+
+
+def local_url(local_dir: str, lineage: str) -> str:
+    """The node-local tier's folder of ``lineage`` under ``ckpt.local_dir``."""
+    return f"{local_dir.rstrip('/')}/{lineage}"
