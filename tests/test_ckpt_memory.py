@@ -169,6 +169,10 @@ def test_bad_budgets_are_one_line_errors(tmp_path):
     assert "\n" not in str(err.value)
     ctx = DistContext(env=ClusterEnv.detect({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "8", "RANK": "0"}),
                       backend="gloo", device=torch.device("cpu"), initialized=False)
-    default = Checkpointer(tmp_path, CkptSection(), single_ctx())._pool.budget_bytes
-    shared = Checkpointer(tmp_path, CkptSection(), ctx)._pool.budget_bytes
+    budgets = []
+    for context in (single_ctx(), ctx):
+        ck = Checkpointer(tmp_path, CkptSection(), context)
+        budgets.append(ck._pool.budget_bytes)
+        ck.close()
+    default, shared = budgets
     assert abs(default / shared - 8) < 0.01  # the default is shared by the node's ranks

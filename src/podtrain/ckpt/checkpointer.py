@@ -141,6 +141,16 @@ class Checkpointer:
         self._lease: Lease | None = None
         self.identity: RunIdentity = self._rank0_decides(self._establish)
         """This run's lineage and checkpoint location (the same on every rank)."""
+        try:
+            self._build()
+        except BaseException:
+            if self._lease is not None:  # a run that could not start holds nothing
+                self._lease.release()
+            raise
+
+    def _build(self) -> None:
+        """Stores, staging pool, writers (every rank; the writers' groups are collective)."""
+        cfg, ctx = self.cfg, self.ctx
         self.store = open_store(self.identity.ckpt_url)
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
         self._pool = StagingPool(budget, pin=ctx.is_cuda)
