@@ -227,6 +227,12 @@ BAD_INPUT = [
      "--kind pytorchjobs is not one of pytorchjob, hyperpodpytorchjob"),
     (["--nodes", "3", "--min-nodes", "2", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx",
       "train.global_batch_size=96"], "not divisible"),
+    # What no line of the pod's command can carry (see test_launch_quoting.py):
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "run.dir=/fsx/a\nb"],
+     "run.dir '/fsx/a\\nb' contains a newline"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "--mount", "/fsx\x00"],
+     "--mount '/fsx\\x00' contains NUL"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", "repo/podtrain:v1$(id)"], "is not an image tag"),
 ]
 
 
@@ -258,21 +264,58 @@ def operator_environment(job: dict, rdzv_endpoint: str) -> dict[str, str]:
     }
 
 
+def kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """What the kubelet makes of a container's command, args and env values, byte for byte as
+    Kubernetes' ``third_party/forked/golang/expansion.Expand``: ``$(NAME)`` becomes NAME's value
+    where ``env`` defines it (else stays), ``$$`` becomes ``$``, and any other ``$X`` stays, X
+    read as one byte turned into a character (``string(input[0])`` in Go: a ``$`` before a
+    non-ASCII character garbles it)."""
+    data, out, i = text.encode("utf-8", "surrogateescape"), bytearray(), 0
+    while i < len(data):
+        if data[i] != ord("$") or i + 1 == len(data):
+            out.append(data[i])
+            i += 1
+        elif data[i + 1] == ord("$"):
+            out += b"$"
+            i += 2
+        elif data[i + 1] == ord("(") and data.find(b")", i + 2) >= 0:
+            close = data.find(b")", i + 2)
+            name = data[i + 2:close].decode("utf-8", "surrogateescape")
+            out += env.get(name, f"$({name})").encode("utf-8", "surrogateescape")
+            i = close + 1
+        else:
+            out += b"$" + chr(data[i + 1]).encode()
+            i += 2
+    return out.decode("utf-8", "surrogateescape")
+
+
+def pod_process(container: dict, extra_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of the container's process as the kubelet starts it: its env
+    values expanded in order (each may refer to the ones before it), ``extra_env`` (what the
+    kubelet and the operator add: POD_IP, PET_*...) added, and the command expanded with all."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = kubelet_expand(item["value"], env)
+    env.update(extra_env)
+    return [kubelet_expand(arg, env) for arg in container["command"]], env
+
+
 def start_pods(tmp_path: Path, job: dict, config_text: str, count: int) -> list[subprocess.Popen]:
     """Run the manifest's container command as ``count`` pods would: what the kubelet provides
-    (the ConfigMap mounted as a file, the pod IP, the working directory, the container's env)
-    and what the training operator adds (``PET_*``); ``python3`` is this interpreter."""
+    (the ConfigMap mounted as a file, the pod IP, the working directory, the container's env,
+    ``$(...)`` expansion) and what the training operator adds (``PET_*``); ``python3`` is this
+    interpreter."""
     container = k8s.job_pod_template(job)["spec"]["containers"][0]
     config_file = tmp_path / "configmap" / "config.yaml"
     config_file.parent.mkdir(exist_ok=True)
     config_file.write_text(config_text)
     Path(container["workingDir"]).mkdir(exist_ok=True)
-    pod_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    pod_env.update(PODTRAIN_CONFIG=str(config_file), POD_IP="127.0.0.1")
     endpoint = f"127.0.0.1:{free_port()}"
+    command, pod_env = pod_process(container, {"PODTRAIN_CONFIG": str(config_file), "POD_IP": "127.0.0.1",
+                                               **operator_environment(job, endpoint)})
     base = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    return [subprocess.Popen(container["command"], cwd=container["workingDir"],
-                             env={**base, **pod_env, **operator_environment(job, endpoint)},
+    return [subprocess.Popen(command, cwd=container["workingDir"], env={**base, **pod_env},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(count)]
 

@@ -17,6 +17,9 @@ import pytest
 from fault_plugin.podtrain_faults import fault_env
 from podtrain.ckpt import layout
 from podtrain.ckpt.reader import verify
+from podtrain.errors import UserError
+from podtrain.launch.exit_report import ExitReport
+from podtrain.launch.supervise import job_verdict
 
 pytestmark = pytest.mark.e2e
 
@@ -112,3 +115,47 @@ def test_a_save_longer_than_30s_after_sigterm_completes_and_exits_143(repo, tmp_
     assert verdict.ok, verdict.reason
     assert "checkpoint write of step" in out + err  # the fault fired
     assert f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} saved" in err
+
+
+def test_a_rank_killed_by_sigkill_is_named_not_the_rank_that_failed_after_it(repo, tmp_path, datasets):
+    """kill -9 of rank 1 mid-step (the fault plugin's kill fault): rank 0 then fails in its next
+    collective ("Connection closed by peer") and reports it; the one line still names rank 1
+    and SIGKILL, and the exit code is a SIGKILL's (137), not the survivor's crash (1)."""
+    run_dir = tmp_path / "run"
+    proc = start(repo, run_dir, datasets / "byte", "train.steps=2000",
+                 env=fault_env("kill:rank=1,step=2,delay=0.05"))
+    code, out, err = finish(proc)
+    assert "fault injection: kill on rank 1 at step 2" in out + err, err[-3000:]
+    assert code == 128 + signal.SIGKILL, err[-3000:]
+    own = [line for line in err.splitlines() if line.startswith("podtrain:")]
+    assert own == [f"podtrain: error: rank 1 was killed by SIGKILL (out of memory, or a kill -9 from "
+                   f"outside); the other ranks stopped after it; its output is in {run_dir / 'logs'}"], err[-3000:]
+
+
+def torchrun_summary(*failures: tuple[int, int, int]) -> str:
+    """torchrun's failure summary for (rank, exitcode, second the agent saw it end)."""
+    return "".join(f"[{i}]:\n  time      : 2026-12-01_00:19:{second:02d}\n  host      : localhost\n"
+                   f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: {100 + rank})\n"
+                   "  error_file: <N/A>\n" for i, (rank, code, second) in enumerate(failures))
+
+
+def verdict(tmp_path, capsys, summary: str, reports: dict[int, ExitReport]) -> tuple[int, str]:
+    code = job_verdict(tmp_path, [1], None, reports, summary, tmp_path / "logs" / "torchrun.log")
+    return code, capsys.readouterr().err
+
+
+def test_the_rank_killed_first_is_named_not_the_ranks_that_failed_or_were_stopped_after_it(tmp_path, capsys):
+    """Rank 1 dies of SIGKILL (no report), rank 0 then fails in its collective and reports it:
+    torchrun may see both ends in one poll (the same second) or rank 0's later. But the ranks
+    torchrun stops after a crash (SIGTERM at once, SIGKILL after its shutdown timeout) take no
+    blame, and a user mistake always explains the end."""
+    reset = {0: ExitReport(0, 1, "RuntimeError: Connection reset by peer")}
+    for survivor_seen in (34, 36):
+        code, err = verdict(tmp_path, capsys, torchrun_summary((0, 1, survivor_seen), (1, -9, 34)), reset)
+        assert code == 137 and err.startswith("podtrain: error: rank 1 was killed by SIGKILL"), err
+    crash = {0: ExitReport(0, 1, "RuntimeError: boom")}
+    for later in (torchrun_summary((0, 1, 34), (1, -9, 70)), torchrun_summary((0, 1, 34), (1, -15, 34))):
+        code, err = verdict(tmp_path, capsys, later, crash)
+        assert code == 1 and "rank 0 failed with exit code 1: RuntimeError: boom" in err, err
+    with pytest.raises(UserError, match="data.path"):
+        verdict(tmp_path, capsys, torchrun_summary((1, -9, 34)), {0: ExitReport(0, 2, "data.path /x is missing")})

@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
 
 FAKE_PYTHON = """#!/bin/bash
-# Records `python3 -m torch.distributed.run ...` (args, environment, ignored signals) instead of
-# training; every other python3 call goes to the real interpreter.
-if [ "$1 $2" = "-m torch.distributed.run" ]; then
+# Records `python3 -m {module} ...` (args, environment, ignored signals) instead of running it
+# (torch.distributed.run: instead of training); every other python3 call goes to the real
+# interpreter.
+if [ "$1 $2" = "-m {module}" ]; then
   if [ -n "${{FAKE_PREEMPT:-}}" ]; then  # Slurm signals the step; the workers stop: agent fails
     kill -USR1 $PPID; sleep 0.2; exit 1
   fi
@@ -61,7 +62,8 @@ def run_batch(tmp_path: Path, script: Path, job_id: str = "4242", env_extra: dic
     record = tmp_path / "torchrun"
     shutil.rmtree(record, ignore_errors=True)
     record.mkdir()
-    (bindir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable, record=record))
+    (bindir / "python3").write_text(FAKE_PYTHON.format(python=sys.executable, record=record,
+                                                       module="torch.distributed.run"))
     (bindir / "python3").chmod(0o755)
     if text is not None:
         script = tmp_path / "mutated.sbatch"
@@ -208,6 +210,15 @@ BAD_INPUT = [
      "does not include SIGUSR1"),
     (["--nodes", "2", "--gpus-per-node", "8", "--time", "1", "--signal", "USR1@120"], [],
      "fires before the job starts"),
+    # What no line of the script can carry, or Slurm reads otherwise (see test_launch_quoting.py):
+    (["--nodes", "2", "--gpus-per-node", "8", "--job-name", "a\nb"], [], "--job-name 'a\\nb' contains a newline"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--job-name", "team/a"], [], "contains a '/'"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--job-name", "x-HetJob"], [], "contains 'hetjob'"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--partition", "packjob"], [], "contains 'packjob'"),
+    (["--nodes", "2", "--gpus-per-node", "8"], ["run.dir=/fsx/a\\b"], "contains a backslash"),
+    (["--nodes", "2", "--gpus-per-node", "8"], ["data.path=/fsx/a\tb"], "data.path '/fsx/a\\tb' contains a tab"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--container-image", "repo/img:1;id"], [],
+     "'1;id' is not an image tag"),
 ]
 
 
@@ -238,10 +249,12 @@ def test_submit_calls_sbatch_with_the_written_script(tmp_path, capsys, monkeypat
     (bindir / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" > {tmp_path}/sbatch-args\necho 77\n")
     (bindir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "run_100%j"  # sbatch would expand a % of the directory's own: it goes as %%
     assert main(["launch", "slurm", DEMO, f"run.dir={run_dir}", "train.global_batch_size=64",
                  "train.micro_batch_size=4", "--nodes", "2", "--gpus-per-node", "8", "--submit"]) == 0
-    script = Path((tmp_path / "sbatch-args").read_text().split()[-1])
+    args = (tmp_path / "sbatch-args").read_text().split()
+    assert args[1] == f"--output={tmp_path}/run_100%%j/logs/%x-%j.out", args
+    script = Path(args[-1])
     assert script.parent == run_dir / "logs" and script.read_text().startswith("#!/bin/bash")
     assert "submitted job 77" in capsys.readouterr().err
 

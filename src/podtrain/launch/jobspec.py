@@ -22,6 +22,7 @@ import yaml
 from podtrain.config import RunConfig, accumulation_steps, load_config, to_dict
 from podtrain.errors import UserError
 from podtrain.launch.instances import InstanceType, lookup, resolve_gpus
+from podtrain.launch.shell import check
 from podtrain.plan.fit import Devices, check_memory
 
 
@@ -58,7 +59,8 @@ class JobSpec:
 def build_spec(config: str, overrides: Sequence[str], nodes: int, gpus_per_node: int | None,
                nproc_per_node: int | None, instance_type: str | None,
                min_nodes: int | None = None, gpu_memory_gib: float | None = None) -> JobSpec:
-    """Validate the launch flags and the training config; raise UserError on the first problem.
+    """Validate the launch flags and the training config; raise UserError on the first problem
+    (a run.dir or data path no job script can carry, ``shell.check``, among them).
 
     ``min_nodes`` is the smallest world an elastic job may shrink to; the batch arithmetic must
     work for every node count between it and ``nodes``, and the memory (``check_job_memory``) at
@@ -70,6 +72,8 @@ def build_spec(config: str, overrides: Sequence[str], nodes: int, gpus_per_node:
     gpus = resolve_gpus(instance, gpus_per_node)
     nproc = _resolve_nproc(gpus, nproc_per_node)
     cfg = load_config(config, overrides)
+    for key, path in data_paths(cfg):  # they reach the job's script or command line (shell.py)
+        check(path, key)
     low = nodes if min_nodes is None else min_nodes
     if not 1 <= low <= nodes:
         raise UserError(f"--min-nodes must be between 1 and --nodes ({nodes}), got {low}")
@@ -173,19 +177,27 @@ def config_yaml(cfg: RunConfig, updates: dict[str, object] | None = None) -> str
 
 # registry[:port]/path/name[:tag][@sha256:digest]; the tag is on the last path component.
 _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+"""An image tag as registries take it (the OCI distribution spec's tag grammar)."""
 
 
 def check_image(image: str, flag: str = "--image") -> None:
     """UserError unless ``image`` names a tag or digest: an untagged image means ``:latest``,
-    which changes under a running job, so restarted pods could run different code."""
+    which changes under a running job, so restarted pods could run different code. A tag no
+    registry takes (``:v1 && x``, ``:$(...)``) is refused here, not at the first pull."""
     if not image or any(c.isspace() for c in image):
         raise UserError(f"{flag} {image!r} is not a container image name")
+    check(image, flag)
     if _DIGEST.search(image):
         return
     last = image.replace("#", "/").rsplit("/", 1)[-1]  # pyxis writes registry#image
     if ":" not in last or last.endswith(":"):
         raise UserError(f"{flag} {image} has no tag: name one (e.g. {image.rstrip(':')}:v1) "
                         "or a digest, so every node runs the same image")
+    tag = last.rsplit(":", 1)[1]
+    if not _TAG.fullmatch(tag):
+        raise UserError(f"{flag} {image}: {tag!r} is not an image tag (up to 128 letters, digits, '_', "
+                        "'.' and '-', not starting with '.' or '-')")
 
 
 def dns_label(text: str, limit: int = 50) -> str:

@@ -46,6 +46,7 @@ from podtrain.launch.jobspec import (JobSpec, add_job_arguments, build_spec, che
                                      mix_with_paths)
 from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
                                      validate_pod_template, validate_pytorchjob)
+from podtrain.launch.shell import Var, check, line
 from podtrain.launch.torchrun import (TORCHRUN_MODULE, TRAIN_MODULE, kill_grace_s, shutdown_timeout_s,
                                       torchrun_flags, worker_env)
 
@@ -99,6 +100,7 @@ def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
                       args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes,
                       gpu_memory_gib=args.gpu_memory)
+    check(args.mount, "--mount")  # with run.dir (checked by build_spec), in the pod's command line
     hyperpod = args.hyperpod_auto_resume or args.kind == "hyperpodpytorchjob"
     name = dns_label(args.name or f"podtrain-{Path(spec.cfg.run.dir).name}", limit=40)
     namespace = _namespace(args.namespace, args.hyperpod_auto_resume)
@@ -204,21 +206,24 @@ def worker_script(hyperpod_kind: bool, spec: JobSpec, run_dir: str) -> str:
     The PyTorchJob variant leaves nnodes, rendezvous and restarts to the ``PET_*`` variables the
     training operator sets from ``elasticPolicy``; torchrun's ``--shutdown-timeout`` is added by
     the agent where the image's torch has it (2.12+). Each rank's output is also kept under
-    ``RUN_DIR/logs``.
+    ``RUN_DIR/logs``. The command lines are built by ``shell.line``: ``run_dir`` reaches the
+    launcher as one argument, whatever it holds.
     """
-    train = " ".join(TRAIN_MODULE) + ' "$PODTRAIN_CONFIG"'
-    agent = " ".join(AGENT)
+    train = (*TRAIN_MODULE, Var("PODTRAIN_CONFIG"))
     grace_s = spec.cfg.ckpt.grace_s
     if hyperpod_kind:
+        hyperpodrun = line(*AGENT, "hyperpodrun", f"--nnodes={spec.nodes}",
+                           f"--nproc-per-node={spec.nproc_per_node}", "--shutdown-signal=SIGTERM",
+                           f"--shutdown-timeout={shutdown_timeout_s(grace_s)}",
+                           f"--log-dir={run_dir}/logs", "--tee=3", *train)
         return (
             "set -euo pipefail\n"
             "# hyperpodrun: HyperPod's torchrun (pip hyperpod-elastic-agent), talking to its operator.\n"
             "# Its default shutdown is SIGKILL: SIGTERM and a timeout give the workers their save.\n"
-            f"exec {agent} hyperpodrun --nnodes={spec.nodes} --nproc-per-node={spec.nproc_per_node} "
-            f"--shutdown-signal=SIGTERM --shutdown-timeout={shutdown_timeout_s(grace_s)} "
-            f"--log-dir={run_dir}/logs --tee=3 {train}\n")
-    flags = torchrun_flags(nproc=spec.nproc_per_node, local_addr='"$POD_IP"', grace_s=grace_s,
+            f"exec {hyperpodrun}\n")
+    flags = torchrun_flags(nproc=spec.nproc_per_node, local_addr=Var("POD_IP"), grace_s=grace_s,
                            log_dir=f"{run_dir}/logs", shutdown_flag=False)
+    torchrun = line(*AGENT, "python3", *TORCHRUN_MODULE, *flags, *train)
     return (
         "set -euo pipefail\n"
         "trap 'exit 143' TERM  # PID 1 until the exec: a SIGTERM while waiting ends the wait\n"
@@ -230,13 +235,23 @@ def worker_script(hyperpod_kind: bool, spec: JobSpec, run_dir: str) -> str:
         "{ echo \"podtrain: rendezvous host $host does not resolve\" >&2; exit 1; }\n"
         "# torchrun takes nnodes, rendezvous and max-restarts from the operator's PET_* variables;\n"
         "# nproc is explicit because operator versions disagree on PET_NPROC_PER_NODE.\n"
-        f"exec {agent} python3 {' '.join(TORCHRUN_MODULE)} {' '.join(flags)} {train}\n")
+        f"exec {torchrun}\n")
+
+
+def kubelet_literal(text: str) -> str:
+    """``text`` escaped for the kubelet, which rewrites a container's command, args and env values
+    (Kubernetes' ``expansion.Expand``): ``$(NAME)`` becomes NAME's value where one is defined,
+    ``$$`` becomes ``$``, and a ``$`` before a non-ASCII character garbles that character (it
+    reads one byte as a whole character). Doubling each ``$`` that precedes ``$``, ``(``, a
+    non-ASCII character or the end makes it hand the text over exactly: a run.dir holding
+    ``$(HOME)`` stays that, and the script's own ``$(seq ...)`` reaches bash as written."""
+    return re.sub(r"\$(?=[$(]|[^\x00-\x7f]|\Z)", "$$", text)
 
 
 def _environment(spec: JobSpec, run_dir: str) -> list[dict[str, Any]]:
     env = {"PODTRAIN_CONFIG": f"{CONFIG_DIR}/config.yaml",
            **worker_env(f"{run_dir}/debug", gpus=bool(spec.gpus_per_node)), **spec.fabric_env()}
-    items: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    items: list[dict[str, Any]] = [{"name": k, "value": kubelet_literal(v)} for k, v in env.items()]
     items.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return items
 
@@ -256,7 +271,7 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
         "name": "pytorch",  # the training operator looks for this container name
         "image": args.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["bash", "-c", worker_script(hyperpod_kind, spec, run_dir)],
+        "command": ["bash", "-c", kubelet_literal(worker_script(hyperpod_kind, spec, run_dir))],
         "env": _environment(spec, run_dir),
         "ports": [{"name": "pytorchjob-port",
                    "containerPort": HYPERPOD_AGENT_PORT if hyperpod_kind else RDZV_PORT}],

@@ -35,6 +35,7 @@ from podtrain.fsutil import writable_dir
 from podtrain.launch.agent_output import AgentOutput
 from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
 from podtrain.launch.jobspec import add_gpu_memory_argument
+from podtrain.launch.shell import plain
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
 from podtrain.launch.torchrun import TORCHRUN_MODULE, TRAIN_MODULE, torchrun_flags, worker_env
 
@@ -71,7 +72,8 @@ def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: 
     flags = torchrun_flags(nnodes=nnodes, nproc=nproc, rdzv_endpoint=f"127.0.0.1:{port}",
                            rdzv_id=rdzv_id, join_timeout=join_timeout, is_host=host and nnodes > 1,
                            max_restarts=max_restarts, grace_s=grace_s, log_dir=log_dir)
-    return [sys.executable, *TORCHRUN_MODULE, *flags, *TRAIN_MODULE, config, *overrides]
+    # An argv list, never a shell line: the config path and overrides reach the workers as typed.
+    return [sys.executable, *TORCHRUN_MODULE, *plain(flags), *TRAIN_MODULE, config, *overrides]
 
 
 def worker_environment(nproc: int, nnodes: int, base: dict[str, str] | None = None,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from podtrain import __version__
 from podtrain.config import signal_from_name
 from podtrain.distributed.env import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from podtrain.errors import UserError
+from podtrain.launch.shell import Var, check, concat, line, word
 from podtrain.launch.torchrun import torchrun_flags, worker_env
 from podtrain.launch.jobspec import (JobSpec, absolute_paths, add_job_arguments, build_spec, check_image,
                                      config_yaml, dns_label, shared_storage_warnings)
@@ -143,6 +143,10 @@ def parse_time(text: str) -> int | None:
 def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
     """Validate every flag and the training config; raise UserError before anything is written."""
     cwd = cwd or Path.cwd()
+    for flag, value in (("--venv", args.venv), ("--container-image", args.container_image),
+                        ("--container-mounts", args.container_mounts)):
+        if value:
+            check(value, flag)  # each reaches a line of the script (shell.py); --job-name: job_name()
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
                       args.nproc_per_node, args.instance_type, gpu_memory_gib=args.gpu_memory)
     preemption = parse_preemption(args.signal)
@@ -159,16 +163,56 @@ def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
         updates["ckpt.grace_s"] = float(preemption.seconds)  # the save is timed against it
     run_dir = paths["run.dir"]
     if any(c.isspace() for c in run_dir):
-        raise UserError(f"run.dir {run_dir!r} contains white space, which #SBATCH --output cannot take")
+        raise UserError(f"run.dir {run_dir!r} contains white space, which the job's log path cannot "
+                        "take (scontrol prints it space-separated)")
+    if "\\" in run_dir:
+        raise UserError(f"run.dir {run_dir!r} contains a backslash, which makes sbatch take the job's "
+                        "log path (RUN_DIR/logs/%x-%j.out) literally, without the job's name and id")
     if args.container_image:
         _check_in_mounts(run_dir, args.container_mounts)
     return SlurmJob(
         spec=spec, run_dir=run_dir, config_yaml=config_yaml(spec.cfg, updates),
-        job_name=args.job_name or dns_label(f"podtrain-{Path(run_dir).name}"),
+        job_name=job_name(args.job_name) if args.job_name else dns_label(f"podtrain-{Path(run_dir).name}"),
         sbatch_options=_sbatch_options(args, spec, preemption),
         srun_options=_srun_options(args), venv=_node_venv(args.venv),
         preemption=preemption, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
         requeue=args.requeue)
+
+
+HETJOB_WORDS = ("hetjob", "packjob")
+"""sbatch reads an ``#SBATCH`` line holding one of these, anywhere and in any case, as the start
+of a heterogeneous job's next component."""
+
+
+def job_name(name: str) -> str:
+    """``--job-name NAME`` checked for what Slurm does with it: ``%x`` in the log's file name
+    (no ``/``), ``scontrol``'s space-separated job record (no white space), ``#SBATCH`` lines
+    (``sbatch_option``). Quotes, ``$``, backquotes, ``#`` and unicode are kept exactly."""
+    check(name, "--job-name")
+    if "/" in name:
+        raise UserError(f"--job-name {name!r} contains a '/', which the job's log file name "
+                        "(%x-%j.out, %x: the job name) cannot take")
+    if any(c.isspace() for c in name):
+        raise UserError(f"--job-name {name!r} contains white space, which the job's log path cannot "
+                        "take (scontrol prints it space-separated)")
+    return _no_hetjob(name, "--job-name")
+
+
+def _no_hetjob(value: str, flag: str) -> str:
+    found = next((w for w in HETJOB_WORDS if w in value.lower()), None)
+    if found:
+        raise UserError(f"{flag} {value!r} contains {found!r}, which sbatch reads on an #SBATCH line "
+                        "as the start of another job component; choose another name")
+    return value
+
+
+def sbatch_option(option: str) -> str:
+    """``option`` written so that sbatch reads it back exactly from an ``#SBATCH`` line. Slurm
+    splits those lines itself (``_get_argument`` in sbatch's opt.c), not with a shell: white
+    space separates arguments, quotes group, an unescaped ``#`` starts a comment, and a backslash
+    makes the next character literal; so each of those characters gets a backslash."""
+    assert not any(c.isspace() and c != " " for c in option), option  # refused by shell.check
+    return re.sub(r"""([ \\'"#])""", r"\\\1", option)
 
 
 def _check_preemption(pre: Preemption | None, spec: JobSpec, time_limit: str | None) -> None:
@@ -214,6 +258,7 @@ def _sbatch_options(args: argparse.Namespace, spec: JobSpec, pre: Preemption | N
         if value:
             if not re.fullmatch(r"[\w.:@+-]+", value):
                 raise UserError(f"--{flag} {value!r} has characters Slurm does not take")
+            _no_hetjob(value, f"--{flag}")
             opts.append(f"--{flag}={value}")
     if args.request_gpus and spec.gpus_per_node:
         opts.append(f"--gpus-per-node={spec.gpus_per_node}")
@@ -234,35 +279,37 @@ def _srun_options(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def render_script(job: SlurmJob) -> str:
-    """The batch script for ``job`` (pure: the same job gives the same text)."""
+    """The batch script for ``job`` (pure: the same job gives the same text). Every value goes
+    into a shell line through ``shell.word``/``shell.line`` and into an ``#SBATCH`` line through
+    ``sbatch_option``; the node script refers to the batch shell's variables by name."""
     template = resources.files("podtrain.launch").joinpath("templates/sbatch.sh").read_text()
-    quote = shlex.quote
-    workers = worker_env("$RUN_DIR/debug", gpus=bool(job.spec.gpus_per_node))
-    if "NCCL_SOCKET_IFNAME" in workers:  # a site's own choice wins
-        workers["NCCL_SOCKET_IFNAME"] = f"${{NCCL_SOCKET_IFNAME:-{workers['NCCL_SOCKET_IFNAME']}}}"
-    flags = torchrun_flags(nnodes="$SLURM_JOB_NUM_NODES", nproc="$NPROC",
-                           rdzv_endpoint="$HEAD_ADDR:$PORT", rdzv_id="$SLURM_JOB_ID",
-                           join_timeout=job.join_timeout, is_host="$IS_HOST",
-                           local_addr="$SELF_ADDR", max_restarts=job.max_restarts,
-                           grace_s=job.spec.cfg.ckpt.grace_s)
+    flags = torchrun_flags(nnodes=Var("SLURM_JOB_NUM_NODES"), nproc=Var("NPROC"),
+                           rdzv_endpoint=concat(Var("HEAD_ADDR"), ":", Var("PORT")),
+                           rdzv_id=Var("SLURM_JOB_ID"), join_timeout=job.join_timeout,
+                           is_host=Var("IS_HOST"), local_addr=Var("SELF_ADDR"),
+                           max_restarts=job.max_restarts, grace_s=job.spec.cfg.ckpt.grace_s)
+    for delimiter in ("PODTRAIN_CONFIG_END", "PODTRAIN_NODE_END"):  # YAML indents every value
+        assert delimiter not in job.config_yaml.splitlines(), f"{delimiter} would end the heredoc early"
     values = {
         "VERSION": __version__,
-        "JOB_NAME": job.job_name,
+        "JOB_NAME": job.job_name,  # comments only
+        "JOB_NAME_SBATCH": sbatch_option(job.job_name),
+        "JOB_NAME_SHELL": word(job.job_name),
         "NODES": str(job.spec.nodes),
-        "LOG_DIR": f"{job.run_dir}/logs",
-        "SBATCH_EXTRA": "".join(f"#SBATCH {o}\n" for o in job.sbatch_options),
-        "RUN_DIR": quote(job.run_dir),
-        "VENV": f"source {quote(job.venv + '/bin/activate')}\n" if job.venv else "",
+        "LOG_DIR": f"{job.run_dir}/logs",  # comments only
+        "SBATCH_EXTRA": "".join(f"#SBATCH {sbatch_option(o)}\n" for o in job.sbatch_options),
+        "RUN_DIR": word(job.run_dir),
+        "VENV": f"{line('source', job.venv + '/bin/activate')}\n" if job.venv else "",
         "CONFIG_YAML": job.config_yaml,
-        "WORKER_ENV": _exports(workers),
+        "WORKER_ENV": _exports(worker_env(f"{job.run_dir}/debug", gpus=bool(job.spec.gpus_per_node))),
         "FABRIC_ENV": _exports(job.spec.fabric_env()),
         "NPROC": str(job.spec.nproc_per_node),
         "PORT_EXPR": f"$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
-        "TORCHRUN_FLAGS": " ".join(f'"{f}"' for f in flags),
+        "TORCHRUN_FLAGS": line(*flags),
         "NOTE_SIGNAL": _note_signal(job.preemption),
         "RUN_TORCHRUN": _run_torchrun(job.preemption),
         "AFTER_PREEMPTION": _after_preemption(job.requeue),
-        "SRUN_EXTRA": "".join(f"{quote(o)} " for o in job.srun_options),
+        "SRUN_EXTRA": f"{line(*job.srun_options)} " if job.srun_options else "",
     }
     missing = set(re.findall(r"@@([A-Z_]+)@@", template)) - set(values)
     assert not missing, f"sbatch template placeholders without values: {missing}"
@@ -271,9 +318,18 @@ def render_script(job: SlurmJob) -> str:
     return template
 
 
+SITE_CHOICE = ("NCCL_SOCKET_IFNAME",)
+"""Variables a site's own environment sets better than podtrain's default."""
+
+
 def _exports(variables: dict[str, str]) -> str:
-    """``export K="V"`` lines (double quotes: ``$RUN_DIR`` and ``${X:-default}`` expand)."""
-    return "".join(f'export {k}="{v}"\n' for k, v in variables.items())
+    """``export K=V`` lines, V quoted (``shell.word``); a ``SITE_CHOICE`` keeps the value the
+    node's environment already has."""
+    lines = []
+    for key, value in variables.items():
+        export = f"export {key}={word(value)}"
+        lines.append(f'[ -n "${{{key}:-}}" ] || {export}\n' if key in SITE_CHOICE else f"{export}\n")
+    return "".join(lines)
 
 
 def _handles(pre: Preemption | None) -> bool:
@@ -324,7 +380,8 @@ def submit(script: Path, log_dir: Path | None = None) -> str:
     """``sbatch SCRIPT``, with the job's log in ``log_dir`` when given (the script's own
     ``#SBATCH --output`` is sbatch's directory); returns the job id. UserError with sbatch's
     message when it refuses."""
-    output = [f"--output={log_dir}/%x-%j.out"] if log_dir else []
+    # sbatch expands %x, %j... in the path: a % of the directory's own is written %%.
+    output = [f"--output={str(log_dir).replace('%', '%%')}/%x-%j.out"] if log_dir else []
     proc = subprocess.run(["sbatch", "--parsable", *output, str(script)], capture_output=True, text=True,
                           timeout=120)
     if proc.returncode != 0:

@@ -8,11 +8,13 @@ torchrun or hyperpodrun) end the same way, so the code is here once:
   torchrun relays them to its workers; SIGHUP goes on as SIGTERM.
 * ``job_verdict``: the workers' reports (``exit_report``) and torchrun's failure summary become
   the job's exit code, 0, 2 (with the rank's one-line reason), 124 (a hang), 128+N (stopped by
-  a signal after its checkpoint) or a crash's code, and one line that says so.
+  a signal after its checkpoint, or a rank killed by signal N: it is named, not the ranks that
+  failed after it) or a crash's code, and one line that says so.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -57,10 +59,18 @@ def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
     write a report); ``torchrun_log`` is where it was kept, named when nothing else explains the
     end. With ``received``, a stop we relayed ends as ``128 + received`` (130, 143).
     """
-    code, report = job_exit(reports, torchrun_exit_codes(torchrun_text))
+    torchrun_codes = torchrun_exit_codes(torchrun_text)
+    code, report = job_exit(reports, torchrun_codes)
     if received is not None and (code == 0 or code >= 128):
         code = 128 + received
     where = torchrun_log.parent
+    killed = killed_first(reports, torchrun_codes, torchrun_text) if received is None else None
+    if killed is not None and code != USER_ERROR_EXIT_CODE:
+        rank, sig = killed
+        hint = " (out of memory, or a kill -9 from outside)" if sig == signal.SIGKILL else ""
+        print(f"podtrain: error: rank {rank} was killed by {sig.name}{hint}; the other ranks stopped "
+              f"after it; its output is in {where}", file=sys.stderr)
+        return 128 + sig
     if code == 0 and any(agent_codes):
         code = next(c for c in agent_codes if c)
         print(f"podtrain: error: torchrun exited with {code} before any rank reported; its output is "
@@ -78,6 +88,33 @@ def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
         print(f"podtrain: error: rank {report.rank} failed with exit code {code}{reason}; its output "
               f"is in {where}", file=sys.stderr)
     return code
+
+
+_FAILURE_TIME = re.compile(r"time\s*:\s*(\S+)\s*\n\s*host\s*:[^\n]*\n\s*rank\s*:\s*(\d+)")
+"""``time : 2026-12-01_00:19:34`` / ``host : ...`` / ``rank : 1 (local_rank: 1)`` in torchrun's
+failure summary: when torchrun saw each rank's end (to the second)."""
+
+
+def killed_first(reports: dict[int, ExitReport], torchrun_codes: dict[int, int],
+                 torchrun_text: str) -> tuple[int, signal.Signals] | None:
+    """The rank a signal killed first, and the signal, or None.
+
+    A rank killed by a signal (SIGKILL from the OOM killer or a ``kill -9``, SIGSEGV) writes no
+    report, and torchrun's summary gives it a negative exit code. When torchrun saw that death
+    first (the summary's earliest time), the other ranks' errors ("Connection reset by peer")
+    are its consequences. SIGTERM is left out: it is how torchrun itself stops the group after
+    a failure, and ranks it SIGKILLs after its shutdown timeout are seen later."""
+    times = {int(rank): when for when, rank in _FAILURE_TIME.findall(torchrun_text)}
+    if not times:
+        return None
+    first = min(times.values())  # YYYY-MM-DD_HH:MM:SS sorts as text
+    killed = {rank: signal.Signals(-code) for rank, code in torchrun_codes.items()
+              if code < 0 and rank not in reports and -code in signal.valid_signals()
+              and -code != signal.SIGTERM and times.get(rank) == first}
+    if not killed:
+        return None
+    rank = min(killed)
+    return rank, killed[rank]
 
 
 def stop_line(run_dir: Path, code: int, reports: dict[int, ExitReport]) -> str:

@@ -33,6 +33,8 @@ import os
 import re
 from pathlib import Path
 
+from podtrain.launch.shell import Var, Word, concat
+
 RELIABLE_RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Workers make their own TCPStore after a restart (see the module docstring)."""
 
@@ -118,40 +120,44 @@ def kill_grace_s(grace_s: float) -> int:
     return shutdown_timeout_s(grace_s) + SHUTDOWN_MARGIN_S
 
 
-def rdzv_conf(join_timeout: int, is_host: bool | str | None = None) -> str:
-    """``--rdzv-conf``: the join timeout, and ``is_host`` when given (a bool, or a shell
-    expression such as ``$IS_HOST`` for scripts that decide it on the node)."""
-    conf = f"join_timeout={join_timeout}"
-    if is_host is not None and is_host is not False:
-        conf += f",is_host={1 if is_host is True else is_host}"
-    return conf
+def rdzv_conf(join_timeout: int, is_host: bool | Var | None = None) -> Word:
+    """``--rdzv-conf``: the join timeout, and ``is_host`` when given (a bool, or a variable such as
+    ``Var("IS_HOST")`` for scripts that decide it on the node)."""
+    if is_host is None or is_host is False:
+        return f"join_timeout={join_timeout}"
+    return concat(f"join_timeout={join_timeout},is_host=", "1" if is_host is True else is_host)
 
 
-def torchrun_flags(*, nproc: int | str, grace_s: float, nnodes: int | str | None = None,
-                   rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                   join_timeout: int | None = None, is_host: bool | str | None = None,
-                   local_addr: str | None = None, max_restarts: int | str | None = None,
-                   log_dir: str | None = None, shutdown_flag: bool | None = None) -> list[str]:
-    """torchrun's flags for one agent. Options left None are left to torchrun (or, in a
-    PyTorchJob, to the operator's ``PET_*`` variables); values may be shell expressions for the
-    scripts that render them. ``--shutdown-timeout`` (from ``grace_s``) is passed when
-    ``shutdown_flag`` says so, by default when the installed torch's torchrun has it."""
+def torchrun_flags(*, nproc: int | Var, grace_s: float, nnodes: int | Var | None = None,
+                   rdzv_endpoint: Word | None = None, rdzv_id: str | Var | None = None,
+                   join_timeout: int | None = None, is_host: bool | Var | None = None,
+                   local_addr: str | Var | None = None, max_restarts: int | None = None,
+                   log_dir: str | None = None, shutdown_flag: bool | None = None) -> list[Word]:
+    """torchrun's flags for one agent, as argv items. Options left None are left to torchrun (or,
+    in a PyTorchJob, to the operator's ``PET_*`` variables); values may be ``shell.Var``s for
+    the scripts that render them (``shell.line``), and every flag is one ``--name=value`` item,
+    so a value that starts with a dash stays the flag's value. ``--shutdown-timeout`` (from
+    ``grace_s``) is passed when ``shutdown_flag`` says so, by default when the installed torch's
+    torchrun has it."""
+    def flag(name: str, value: Word | int) -> Word:
+        return concat(f"--{name}=", value if isinstance(value, (str, Var, tuple)) else str(value))
+
     flags = []
     if nnodes is not None:
-        flags.append(f"--nnodes={nnodes}")
-    flags.append(f"--nproc-per-node={nproc}")
+        flags.append(flag("nnodes", nnodes))
+    flags.append(flag("nproc-per-node", nproc))
     if rdzv_endpoint is not None:
-        flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        flags += ["--rdzv-backend=c10d", flag("rdzv-endpoint", rdzv_endpoint)]
     if rdzv_id is not None:
-        flags.append(f"--rdzv-id={rdzv_id}")
+        flags.append(flag("rdzv-id", rdzv_id))
     if join_timeout is not None:
-        flags.append(f"--rdzv-conf={rdzv_conf(join_timeout, is_host)}")
+        flags.append(flag("rdzv-conf", rdzv_conf(join_timeout, is_host)))
     if local_addr is not None:
-        flags.append(f"--local-addr={local_addr}")
+        flags.append(flag("local-addr", local_addr))
     if max_restarts is not None:
-        flags.append(f"--max-restarts={max_restarts}")
+        flags.append(flag("max-restarts", max_restarts))
     if torchrun_has_shutdown_timeout() if shutdown_flag is None else shutdown_flag:
-        flags.append(f"--shutdown-timeout={shutdown_timeout_s(grace_s)}")
+        flags.append(flag("shutdown-timeout", shutdown_timeout_s(grace_s)))
     if log_dir is not None:
-        flags += ["--log-dir", log_dir, "--tee", "3"]
+        flags += [flag("log-dir", log_dir), "--tee=3"]
     return flags

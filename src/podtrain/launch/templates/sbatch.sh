@@ -5,7 +5,7 @@
 # @@LOG_DIR@@/ once the job starts. (`launch slurm --submit` writes it in @@LOG_DIR@@/ itself.)
 # srun starts one torchrun agent per node; the agents meet by c10d rendezvous on the first node of
 # the allocation, whose address and port each node works out itself, at run time.
-#SBATCH --job-name=@@JOB_NAME@@
+#SBATCH --job-name=@@JOB_NAME_SBATCH@@
 #SBATCH --nodes=@@NODES@@
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -15,12 +15,13 @@
 set -euo pipefail
 
 RUN_DIR=@@RUN_DIR@@
+JOB_NAME=@@JOB_NAME_SHELL@@
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/debug"
 # This job's log, where Slurm really writes it (sbatch --output may have moved it), linked from
 # RUN_DIR/logs so that every run's logs are found in one place.
 PODTRAIN_LOG=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | tr ' ' '\n' | awk -F= '$1=="StdOut" && !n++ {print substr($0, 8)}' || true)
-PODTRAIN_LOG=${PODTRAIN_LOG:-${SLURM_SUBMIT_DIR:-$PWD}/${SLURM_JOB_NAME:-@@JOB_NAME@@}-$SLURM_JOB_ID.out}
-PODTRAIN_LOG_LINK="$RUN_DIR/logs/${SLURM_JOB_NAME:-@@JOB_NAME@@}-$SLURM_JOB_ID.out"
+PODTRAIN_LOG=${PODTRAIN_LOG:-${SLURM_SUBMIT_DIR:-$PWD}/${SLURM_JOB_NAME:-$JOB_NAME}-$SLURM_JOB_ID.out}
+PODTRAIN_LOG_LINK="$RUN_DIR/logs/${SLURM_JOB_NAME:-$JOB_NAME}-$SLURM_JOB_ID.out"
 if [ "$PODTRAIN_LOG" != "$PODTRAIN_LOG_LINK" ]; then ln -sfn "$PODTRAIN_LOG" "$PODTRAIN_LOG_LINK"; fi
 echo "podtrain: job $SLURM_JOB_ID log $PODTRAIN_LOG"
 @@VENV@@
