@@ -110,11 +110,11 @@ def test_train_on_a_full_disk_ends_with_one_line(capsys, full_disk, tmp_path, re
     args = ["train", "configs/demo.yaml", f"data.path={data}", *BASE, "train.steps=30", "ckpt.every=0"]
     line = _one_line(capsys, main([*args, f"run.dir={full_disk / 'run'}"]))  # full at the start
     assert line.startswith(f"podtrain: error: cannot write {full_disk / 'run'}") and "no space left" in line
-    # Room to start (the probe, config.yaml, metrics.jsonl's first page), then the disk fills
-    # during training: the metrics line or TensorBoard's events that need another page fail.
+    # Room to start (the probe, lineage.json, owner.json, the lease, config.yaml, metrics.jsonl's
+    # first page), then the disk fills during training: the metrics line or TensorBoard's events that need another page fail.
     filler = full_disk / "filler"
     pages = filler.stat().st_size // 4096
-    os.truncate(filler, (pages - 3) * 4096)
+    os.truncate(filler, (pages - 6) * 4096)
     code = main([*args, f"run.dir={full_disk / 'run'}"])
     out, err = capsys.readouterr()
     assert code == 2 and "Traceback" not in err, err
