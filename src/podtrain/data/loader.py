@@ -290,7 +290,21 @@ def unigram_entropy(manifest: Manifest, split: str = "train", max_tokens: int = 
     The loss a model would reach by predicting every token from its frequency alone: a trained
     model must get clearly below it to have learnt anything about context.
     """
-    tokens = manifest.head_tokens(split, max_tokens)
-    counts = np.bincount(tokens, minlength=manifest.vocab_size)[:manifest.vocab_size]
-    p = counts[counts > 0] / counts.sum()
+    return blend_entropy([manifest], [1.0], split, max_tokens)
+
+
+def blend_entropy(manifests: list[Manifest], weights: list[float], split: str = "train",
+                  max_tokens: int = 50_000_000) -> float:
+    """Entropy in nats of the token frequencies of a ``data.mix`` blend: each source's unigram
+    distribution (over its first ``max_tokens`` tokens) weighted by its share of the blend (the
+    weights are shares of samples, all ``data.seq_len`` long, so shares of tokens too). What a
+    context-free model of the data the run trains on would reach, not of its first source."""
+    vocab = max(m.vocab_size for m in manifests)
+    total = float(sum(weights))
+    blend = np.zeros(vocab, dtype=np.float64)
+    for manifest, weight in zip(manifests, weights):
+        tokens = manifest.head_tokens(split, max_tokens)
+        counts = np.bincount(tokens, minlength=vocab)[:vocab]
+        blend += (weight / total) * counts / max(1, counts.sum())
+    p = blend[blend > 0]
     return float(-(p * np.log(p)).sum())

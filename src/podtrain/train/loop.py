@@ -25,7 +25,7 @@ from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
-from podtrain.data.loader import ShardedLoader, unigram_entropy
+from podtrain.data.loader import ShardedLoader, blend_entropy
 from podtrain.data.mixture import ledger_fields, ledger_line
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
@@ -330,13 +330,15 @@ class Trainer:
         self.progress.note(ledger_line(self.loader.ledger()))
         if self.result.final_loss is None:
             return
-        entropy = unigram_entropy(self.loader.manifest)
+        sources = self.loader.sources
+        entropy = blend_entropy(sources.manifests, [spec.weight for spec in sources.specs])
+        of = "the training data" if len(sources.specs) == 1 else "the training blend (data.mix, by weight)"
         val = (f"{self.result.val_loss:.4f} nats ({self.result.val_bpb:.4f} bits/byte)"
                if self.result.val_loss is not None else "n/a")
         self.progress.note(
             f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of the "
-            f"training data {entropy:.4f} nats (a model that ignored context would sit there)")
+            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of "
+            f"{of} {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: LogInterval) -> None:
