@@ -175,3 +175,17 @@ def test_token_ids_beyond_the_vocabulary_are_one_line_at_start_and_when_read(tmp
     with pytest.raises(UserError, match="train_00000.bin holds token id 1000, at or above the model's "
                                         "vocabulary size 320; its manifest says at most 255"):
         sources.indexes[0].gather(np.arange(5))
+
+
+def test_a_resume_past_the_end_of_another_datasets_epoch_is_refused(tmp_path):
+    """ckpt.allow_changes=[data.path] to a smaller dataset: a saved position beyond its epoch is
+    refused in one line (main continued with 'epoch 0' at a position past the end)."""
+    big, small = make_data_dir(tmp_path / "big", shard_tokens=(4000,)), make_data_dir(tmp_path / "small")
+    state = loader(big, 0, 1).state_dict()
+    state["consumed"] = loader(small, 0, 1).samples_per_epoch + 1
+    with pytest.raises(UserError, match=r"past the end of an epoch of .*small.*resume_from_reset=\[data\]"):
+        loader(small, 0, 1).load_state_dict(state)
+    state["consumed"] = 3  # within the new epoch: the run goes on from there
+    ld = loader(small, 0, 1)
+    ld.load_state_dict(state)
+    assert ld.consumed == 3

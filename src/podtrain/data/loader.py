@@ -172,6 +172,15 @@ class ShardedLoader:
         saved = state.get("sources")
         if saved is None and "samples_per_epoch" in state:  # a checkpoint from before data.mix
             saved = {self.sources.names[0]: state["samples_per_epoch"]} if len(self.sources.names) == 1 else {}
+        if (saved and len(saved) == 1 and len(self.sources.names) == 1 and self.sources.names[0] not in saved
+                and int(state.get("consumed", 0)) > self.index.num_samples):
+            # Another single dataset (ckpt.allow_changes=[data.path]) whose epoch ends before the
+            # saved position: no position in it is "where the run was".
+            raise UserError(
+                f"the checkpoint's data position ({int(state['consumed'])} samples) is past the end of an "
+                f"epoch of {self.sources.manifests[0].root} ({self.index.num_samples} samples): it is not the "
+                f"data the run trained on; to train on it from its start, branch with "
+                f"ckpt.resume_from=CHECKPOINT ckpt.resume_from_reset=[data] in a new run.dir")
         for i, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes)):
             if name in (saved or {}) and "windows" not in state and len(index.shards) > 1:
                 check_shard_windows(self.sources.manifests[i], index, saved[name])
