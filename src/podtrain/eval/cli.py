@@ -5,7 +5,7 @@ podtrain's own model and tokenizer and no export written. Under torchrun (``podt
 local``'s torchrun, or ``torchrun ... -m podtrain.cli eval ...``) every rank loads the model and
 scores its share of the requests; rank 0 prints lm-eval's table and writes its JSON (default
 ``RUN_DIR/eval/step_NNNNNN.json``, or ``eval_results.json`` for a folder), plus a ``podtrain``
-entry: what was evaluated, the ranks, the requests per second.
+entry: what was evaluated, the data its tokenizer came from, the ranks, the requests per second.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--out", default=None, help="JSON results file (default: RUN_DIR/eval/step_N.json)")
     parser.add_argument("--step", type=int, default=None, help="a run's checkpoint of this step (default: newest)")
-    parser.add_argument("--data", default=None, help="data directory of the tokenizer and of the shipped "
-                        "tasks' validation text (default: the run's data.path)")
+    parser.add_argument("--data", default=None, help="data directory (a folder or s3://...) of the tokenizer "
+                        "and of the shipped tasks' validation text (default: the run's data.path, or the "
+                        "first source of its data.mix)")
     parser.add_argument("--batch-size", type=int, default=32, help="requests per forward (default 32)")
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                         help="process-group backend under torchrun (default: auto)")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     with process_group(env, args.backend) as ctx:
         results, summary = evaluate(Path(args.source), parse_tasks(args.tasks), ctx,
                                     [Path(d) for d in args.include], args.limit, args.step,
-                                    Path(args.data) if args.data else None, args.batch_size)
+                                    args.data, args.batch_size)
         if ctx.is_main:
             from podtrain.eval.harness import table
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: int | None,
-             step: int | None, data: Path | None, batch_size: int) -> tuple[dict, dict]:
+             step: int | None, data: str | None, batch_size: int) -> tuple[dict, dict]:
     """Load ``source`` and run the tasks on every rank; rank 0 gets (results, summary)."""
     from podtrain.eval.evaluator import TaskEvaluator
     from podtrain.eval.source import load_source
@@ -86,6 +87,7 @@ def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: in
     seconds = max(m["seconds"] for m in every)
     requests = sum(m["requests"] for m in every)
     summary = {"source": str(source), "label": loaded.label, "step": loaded.step, "tasks": names,
+               "data": str(loaded.manifest.root) if loaded.manifest is not None else None,
                "world_size": ctx.world_size, "requests": requests, "seconds": round(seconds, 3),
                "requests_per_s": requests / seconds if seconds > 0 else 0.0, "precision": precision.name}
     return results or {}, summary
