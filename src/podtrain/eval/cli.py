@@ -79,7 +79,7 @@ def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: in
 
     loaded = load_source(source, step, data, ctx)
     evaluator = ctx.agree_on(lambda: TaskEvaluator(names, include, limit, loaded.manifest,
-                                                   loaded.tokenizer, batch_size))
+                                                   loaded.tokenizer, batch_size, max_length=loaded.max_length))
     model = loaded.model.to(ctx.device)
     precision = resolve_precision("auto", ctx.device)
     results, mine = evaluator.run(model, ctx, precision.autocast)

@@ -4,8 +4,9 @@ A run directory's checkpoint is read through ``ckpt.reader`` (the same functions
 ``export`` use: the model's tensors only, never the optimizer's; FSDP/HSDP checkpoints come back
 as whole weights), so every rank holds the whole model; the tokenizer is the run's data
 (``ckpt.reader.run_data``: ``data.path`` or the first source of ``data.mix``, local or ``s3://``;
-``--data`` overrides), checked against the hash the checkpoint recorded. Which checkpoint is rank 0's decision (the newest, or
-``--step``), broadcast, so a save landing meanwhile cannot split the ranks.
+``--data`` overrides), checked against the hash the checkpoint recorded; it is scored in windows
+of the run's ``data.seq_len`` tokens, as in training. Which checkpoint is rank 0's decision (the
+newest, or ``--step``), broadcast, so a save landing meanwhile cannot split the ranks.
 An exported folder (``podtrain export``, or any folder with ``config.json`` and
 ``tokenizer.json``) loads through transformers; its tokenizer is podtrain's byte tokenizer when
 ``podtrain_export.json`` says so, else the folder's ``tokenizer.json``.
@@ -35,6 +36,9 @@ class Source:
     """The data directory the tokenizer belongs to (its validation split makes the shipped tasks)."""
     step: int | None
     label: str
+    max_length: int | None = None
+    """Tokens per scored window: a run's ``data.seq_len`` (what it was trained on, and what its
+    in-training evaluation scores with); None: the model's position limit."""
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -77,7 +81,9 @@ def _load_run(run_dir: Path, step: int, data: str | None) -> Source:
     run_config = run_config_of(run_dir, ckpt)
     manifest = run_data(ckpt, run_config, data)
     model = build_model_from_checkpoint(ckpt, run_config)
-    return Source(model, load_tokenizer(manifest), manifest, ckpt.step, f"{run_dir} step {ckpt.step}")
+    seq_len = (run_config.get("data") or {}).get("seq_len")
+    return Source(model, load_tokenizer(manifest), manifest, ckpt.step, f"{run_dir} step {ckpt.step}",
+                  int(seq_len) if seq_len else None)
 
 
 def _load_hf(folder: Path, data: str | None) -> Source:
