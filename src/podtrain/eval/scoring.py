@@ -62,7 +62,7 @@ def rows_per_forward(batch_size: int, max_tokens: int | None, tokens_per_row: in
 @torch.no_grad()
 def score_pairs(model: nn.Module, pairs: Sequence[Pair], batch_size: int, max_length: int,
                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                on_batch: Callable[[], None] = lambda: None,
+                on_batch: Callable[[int], None] = lambda scored: None,
                 max_tokens: int | None = None) -> list[tuple[float, bool]]:
     """``(sum of log p(continuation | context), continuation is the greedy choice)`` per pair.
 
@@ -73,9 +73,9 @@ def score_pairs(model: nn.Module, pairs: Sequence[Pair], batch_size: int, max_le
     ``max_length`` tokens of context + continuation (minus the last token): a group that does
     not fit is scored in batches, truncated from the left. Each question's numbers come from
     its own forwards only, so they do not depend on how requests are shared over ranks. One
-    host sync per forward batch (its scores), then ``on_batch()``. A batch holds at most
-    ``batch_size`` requests and ``max_tokens`` tokens (padding and a shared context's cache
-    copies included; None: no bound).
+    host sync per forward batch (its scores), then ``on_batch(distinct pairs it scored)``. A
+    batch holds at most ``batch_size`` requests and ``max_tokens`` tokens (padding and a shared
+    context's cache copies included; None: no bound).
     """
     index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     keys = [(tuple(ctx), tuple(cont)) for ctx, cont in pairs]
@@ -126,7 +126,7 @@ def _score_rows(model: nn.Module, rows: list[list[int]], lengths: list[int], bat
             results = _continuation_scores(model, inputs.to(device), None, picks)
         for b, score in enumerate(results):
             out[chunk[b]] = score
-        on_batch()
+        on_batch(len(chunk))
     return out
 
 
@@ -153,7 +153,7 @@ def _score_shared(model: nn.Module, ctx: Sequence[int], conts: list[Sequence[int
         with autocast():
             out += _continuation_scores(model, inputs.to(device), cache,
                                         [(b, 0, list(c)) for b, c in enumerate(chunk)])
-        on_batch()
+        on_batch(len(chunk))
     return out
 
 
