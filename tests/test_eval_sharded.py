@@ -72,13 +72,16 @@ def _sharded_rank(rank, world, strategy):
         layers = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         hooks = [layer.register_forward_pre_hook(count) for layer in layers]
         lockstep = Lockstep(model, ctx, pad_token=ByteTokenizer.eos_id)
-        scores = _score(PodtrainLM(model, ByteTokenizer(), ctx, batch_size=2, lockstep=lockstep), rank)
+        beats = []  # the loop's watchdog: a rank joining the others' forwards is working too
+        lm = PodtrainLM(model, ByteTokenizer(), ctx, batch_size=2, lockstep=lockstep,
+                        on_progress=lambda: beats.append(1))
+        scores = _score(lm, rank)
         lockstep.close()
         for hook in hooks:
             hook.remove()
         resharded = all(isinstance(p, DTensor) for p in model.parameters())
         strategy.release()
-        return scores, lockstep.forwards, lockstep.padding, max(gathered), whole, resharded
+        return scores, lockstep.forwards, lockstep.padding, max(gathered), whole, resharded, len(beats)
 
 
 @pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("hsdp", 4)])  # hsdp: 2 replicas x 2 shards
@@ -88,14 +91,14 @@ def test_sharded_scoring_runs_in_lockstep_holds_no_whole_copy_and_scores_as_the_
     ranks = run_ranks(_sharded_rank, world, strategy, timeout=120)
     plain = build_model(small_config(), "eager", seed=0, device="cpu").eval()  # rank 0's reference
     one = DistContext(env=ClusterEnv.detect({}), backend="gloo", device=torch.device("cpu"), initialized=False)
-    for rank, (scores, forwards, padding, gathered, whole, resharded) in enumerate(ranks):
+    for rank, (scores, forwards, padding, gathered, whole, resharded, beats) in enumerate(ranks):
         want = _score(PodtrainLM(plain, ByteTokenizer(), one, batch_size=2), rank)
         (ll, gen, rolling), (want_ll, want_gen, want_rolling) = scores, want
         assert [g for _, g in ll] == [g for _, g in want_ll] and gen == want_gen
         assert [lp for lp, _ in ll] == pytest.approx([lp for lp, _ in want_ll], abs=1e-5)
         assert rolling == pytest.approx(want_rolling, abs=1e-4)
         # at most the root and the running layer gathered: never the whole model
-        assert gathered < whole and resharded
+        assert gathered < whole and resharded and beats >= padding
     (_, busiest, none, *_), *others = ranks
     assert none == 0 and all(0 < f < busiest and f + p == busiest for _, f, p, *_ in others)  # joined rank 0's
 

@@ -155,7 +155,7 @@ class PodtrainLM(LM):
     def _in_step(self) -> None:
         """The end of a request type on every rank: a sharded model's ranks catch up (``Lockstep``)."""
         if self.lockstep is not None:
-            self.lockstep.drain()
+            self.lockstep.drain(self.on_progress)
 
     def _batch_done(self, units: int) -> None:
         self.on_progress()

@@ -18,6 +18,8 @@ all of them where training already keeps them gathered: ``accumulate_unsharded``
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -54,14 +56,16 @@ class Lockstep:
             self.forwards += 1
 
     @torch.no_grad()
-    def drain(self) -> None:
+    def drain(self, on_forward: Callable[[], None] = lambda: None) -> None:
         """Join the other ranks' remaining forwards until every rank is done (every rank calls
-        this at the same points: the end of each request type)."""
+        this at the same points: the end of each request type). ``on_forward`` after each: the
+        loop's watchdog beat (this rank is working with the others, not hanging)."""
         self._draining = True
         try:
             while self._busy_ranks(False):
                 self.model(input_ids=self._pad, use_cache=False)
                 self.padding += 1
+                on_forward()
         finally:
             self._draining = False
 
