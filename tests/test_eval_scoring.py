@@ -49,3 +49,27 @@ def test_rolling_windows_predict_every_token_once_and_greedy_stops():
     text = greedy_until(model, [65, 66], decode, [], 6, eos_id=256, max_length=64)
     assert 0 < len(text) <= 6
     assert greedy_until(model, [65, 66], decode, [text[:1]], 6, eos_id=256, max_length=64) == ""
+
+
+def test_max_tokens_bounds_every_forward_and_changes_no_score():
+    model = build_model(preset_config("tiny", 320), seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    shared = ids(20)
+    pairs = [(shared, ids(4)), (shared, ids(6)), (shared, ids(2))] + [(ids(n), ids(3)) for n in (5, 30, 12, 40, 8)]
+    sizes = []  # tokens of each forward: its input plus the KV cache it attends to
+
+    def size(module, args, kwargs):
+        rows, cache = kwargs["input_ids"], kwargs.get("cache", kwargs.get("past_key_values"))
+        sizes.append(rows.numel() + (rows.shape[0] * cache.get_seq_length() if cache is not None else 0))
+
+    hook = model.register_forward_pre_hook(size, with_kwargs=True)
+    with torch.no_grad():
+        whole = score_pairs(model, pairs, batch_size=8, max_length=64)
+        big = max(sizes)
+        sizes.clear()
+        bounded = score_pairs(model, pairs, batch_size=8, max_length=64, max_tokens=50)
+    hook.remove()
+    assert big > 50 and max(sizes) <= 50  # one row alone (43 tokens) still fits
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(bounded, whole):
+        assert abs(lp - ref_lp) < 1e-4 * max(1.0, abs(ref_lp)) and greedy == ref_greedy

@@ -52,9 +52,10 @@ def byte_data(root: Path) -> Path:
     return root
 
 
-def make_run(run_dir: Path, data: Path, vocab: int, tokenizer_sha256: str | None = None):
+def make_run(run_dir: Path, data: Path | str | dict, vocab: int, tokenizer_sha256: str | None = None):
     """A run directory with one checkpoint of a tiny model after a few training steps, trained
-    (as its train state records) with the tokenizer of hash ``tokenizer_sha256``."""
+    (as its train state records) with the tokenizer of hash ``tokenizer_sha256``; ``data`` is
+    the run's data.path, or its whole ``data`` section (a mix)."""
     model = build_model(preset_config("tiny", vocab), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
@@ -66,7 +67,8 @@ def make_run(run_dir: Path, data: Path, vocab: int, tokenizer_sha256: str | None
     ctx = DistContext(env=ClusterEnv.detect({}), backend="gloo", device=torch.device("cpu"), initialized=False)
     ck = Checkpointer(run_dir, CkptSection(), ctx)
     ck.save(3, model, opt, None, {"step": 3, "tokens_seen": 0, "loader": {"epoch": 0, "consumed": 6},
-                                  "run_id": "r", "config": {"data": {"path": str(data)},
+                                  "run_id": "r", "config": {"data": data if isinstance(data, dict)
+                                                                     else {"path": str(data)},
                                                             "model": {"preset": "tiny"}},
                                   "tokenizer_sha256": tokenizer_sha256})
     ck.close()
@@ -208,3 +210,131 @@ def test_sampling_guards_a_run_and_stops_at_a_block_end():
     code = "foo(x):\n    return x\n\n    \ndef bar():\n"
     assert block_end(code) == code.index("\n\n")  # blank lines, then column 0: the function ended
     assert block_end("foo(x):\n\n    return x\n") is None  # a blank line inside the body
+
+
+# -- one tokenizer source (issue 26 point 6): the run's data.path or its mix's first source, local
+# or s3://, for export, sample and eval alike; model tensors only -------------------------------
+
+def mix_run(tmp_path: Path, data_path: str) -> tuple[Path, Path, object]:
+    """A run trained on a mix of two BPE sources sharing one tokenizer, its ``data.path`` set to
+    ``data_path`` (another dataset, or nothing): (run dir, the first source, the model)."""
+    import shutil
+
+    first = bpe_data(tmp_path / "code")
+    shutil.copytree(first, tmp_path / "prose")  # the second source: the same tokenizer
+    sha = json.loads((first / "manifest.json").read_text())["tokenizer"]["sha256"]
+    section = {"path": data_path, "mix": [{"path": str(first), "weight": 3, "name": "code"},
+                                          {"path": str(tmp_path / "prose"), "weight": 1, "name": "prose"}]}
+    model = make_run(tmp_path / "run", section, vocab=320, tokenizer_sha256=sha)
+    return tmp_path / "run", first, model
+
+
+def assert_carries_tokenizer(out: Path, data: Path | str) -> None:
+    """The exported folder's tokenizer encodes and decodes as the run's data's tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from podtrain.data.tokenizer import load_tokenizer
+
+    ours, hf = load_tokenizer(data), AutoTokenizer.from_pretrained(str(out))
+    text = "class Point:\n    def add(a, b):\n        return a + b\n"
+    ids = ours.encode(text)
+    assert hf.encode(text, add_special_tokens=False) == ids and len(ids) < len(text)  # BPE merges
+    assert hf.decode(ids) == ours.decode(ids) == text and hf.eos_token_id == ours.eos_id
+
+
+def greedy_sample(run_dir: Path, *extra: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["sample", str(run_dir), "--temperature", "0", "--max-new-tokens", "12", "--stop", "none",
+                     *extra])
+    assert code == 0
+    return out.getvalue()
+
+
+def test_export_and_sample_of_a_mix_run_use_its_first_sources_tokenizer(tmp_path):
+    byte = byte_data(tmp_path / "other")  # data.path names another dataset (another tokenizer) ...
+    run_dir, first, _ = mix_run(tmp_path, str(byte))
+    assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
+    assert_carries_tokenizer(tmp_path / "hf", first)
+    info = json.loads((tmp_path / "hf" / "podtrain_export.json").read_text())["tokenizer"]
+    assert (info["kind"], info["data"]) == ("bpe", str(first))
+    assert greedy_sample(run_dir) == greedy_sample(run_dir, "--data", str(first))
+    # ... or nothing at all
+    (tmp_path / "run").rename(tmp_path / "run-with-path")
+    run_dir, first, _ = mix_run(tmp_path / "empty", "")
+    assert main(["export", str(run_dir), str(tmp_path / "hf2")]) == 0
+    assert_carries_tokenizer(tmp_path / "hf2", first)
+
+
+def test_export_and_sample_read_a_runs_tokenizer_from_s3(tmp_path, s3_server, s3_bucket):
+    data = bpe_data(tmp_path / "data")
+    for path in data.rglob("*"):  # the data lives on S3 only (uploaded behind podtrain's back)
+        if path.is_file():
+            s3_server.boto.upload_file(str(path), s3_bucket, f"team/data/{path.relative_to(data)}")
+    url = f"s3://{s3_bucket}/team/data"
+    sha = json.loads((data / "manifest.json").read_text())["tokenizer"]["sha256"]
+    run_dir = tmp_path / "run"
+    make_run(run_dir, url, vocab=320, tokenizer_sha256=sha)
+    assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
+    assert_carries_tokenizer(tmp_path / "hf", data)
+    assert json.loads((tmp_path / "hf" / "podtrain_export.json").read_text())["tokenizer"]["data"] == url
+    assert greedy_sample(run_dir) == greedy_sample(run_dir, "--data", str(data))
+    assert main(["export", str(run_dir), str(tmp_path / "hf2"), "--data", url]) == 0  # --data s3:// too
+
+
+def test_export_of_a_run_whose_data_is_gone_is_one_line_and_writes_nothing(tmp_path, capsys):
+    data = bpe_data(tmp_path / "data")
+    make_run(tmp_path / "run", tmp_path / "gone", vocab=320)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer not found" in err[0] and str(tmp_path / "gone") in err[0]
+    assert "data.path" in err[0] and "--data" in err[0]
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--data", str(data)]) == 0
+    assert_carries_tokenizer(tmp_path / "hf", data)
+
+
+def _corrupt_optimizer_pieces(run_dir: Path) -> tuple[int, int]:
+    """Overwrite every byte of the optimizer's pieces in the newest checkpoint (sizes kept, so
+    the checkpoint still looks complete); returns (model bytes, optimizer bytes)."""
+    from podtrain.ckpt import layout
+    from podtrain.ckpt.load import piece_index
+    from podtrain.ckpt.store import open_store
+    from podtrain.ckpt.tensorio import DTYPES
+
+    store = open_store(str(run_dir / "ckpt"))
+    choice = layout.find_latest(store)
+    sizes = {"model/": 0, "optim/": 0}
+    for tensor, pieces in piece_index(choice.manifest).items():
+        esize = torch.empty(0, dtype=DTYPES[choice.manifest["tensors"][tensor]["dtype"]]).element_size()
+        for piece in pieces:
+            kind = tensor[:tensor.index("/") + 1]
+            sizes[kind] += piece.count * esize
+            if kind == "optim/":
+                with open(run_dir / "ckpt" / choice.name / piece.file, "r+b") as fh:
+                    fh.seek(piece.offset)
+                    fh.write(b"\xff" * (piece.count * esize))
+    return sizes["model/"], sizes["optim/"]
+
+
+def test_export_and_sample_read_the_model_tensors_only(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from podtrain.ckpt.reader import verify
+
+    data = bpe_data(tmp_path / "data")
+    model = make_run(tmp_path / "run", data, vocab=320)
+    model_bytes, optim_bytes = _corrupt_optimizer_pieces(tmp_path / "run")
+    assert optim_bytes >= 2 * model_bytes  # AdamW's two moments: what export never reads
+    verdict = verify(next((tmp_path / "run" / "ckpt").glob("step_*")))  # a whole read sees the damage
+    assert not verdict.ok and "optim/" in verdict.reason
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, loaded(input_ids=x).logits)
+    greedy_sample(tmp_path / "run")

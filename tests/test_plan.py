@@ -14,7 +14,7 @@ from podtrain.launch.instances import INSTANCE_TYPES
 from podtrain.observe.hardware import PEAK_FLOPS, gpu_peak_flops
 from podtrain.plan.machine import GPU_MEMORY_BANDWIDTH, instance_machine
 from podtrain.plan.memory import (CPU_RESERVE_BYTES, ModelShape, activation_bytes, largest_micro_batch,
-                                  memory_items)
+                                  memory_items, task_eval_bytes)
 from podtrain.plan.planner import make_plan
 from podtrain.plan.steptime import COLLECTIVE_HOP_S, exposed_s, ring_allreduce_s, ring_gather_s
 
@@ -48,6 +48,30 @@ def test_memory_items_match_hand_computed_values():
     # Eager attention keeps scores and probabilities: 2 heads x seq_len x 2 per token per block.
     eager = activation_bytes(SHAPE, 3, 10, 4, checkpointing=False, eager_attention=True)
     assert eager - ddp.activations == 30 * 2 * (2 * 2 * 10) * 4
+
+
+def test_task_evaluation_memory_is_counted_and_refuses_a_run_it_would_not_fit(repo):
+    from podtrain.errors import UserError
+    from podtrain.plan.fit import Devices, check_memory
+    from podtrain.plan.shape import model_shape
+
+    # Per token, fp32: KV caches of 2 blocks, twice (a context's beside its copies) 2 x 2 x 2 x 4 x 4
+    # = 128; one block's values 528; the scored log-probabilities 664. 3 x 10 tokens.
+    assert task_eval_bytes(SHAPE, 3, 10, 4) == 30 * (128 + 528 + 664) == 39600
+    with_tasks = memory_items(SHAPE, "ddp", 1, 3, 10, 4, checkpointing=True, gpu=False, task_eval=True)
+    without = memory_items(SHAPE, "ddp", 1, 3, 10, 4, checkpointing=True, gpu=False)
+    assert (without.activations, without.task_eval) == (37680, 0)  # a checkpointed step keeps less
+    assert (with_tasks.activations, with_tasks.task_eval) == (39600, 39600)
+    assert memory_items(SHAPE, "ddp", 1, 3, 10, 4, False, False, task_eval=True).activations == 51600
+    # The memory check at start: room for the steps but not for the evaluation's caches is refused.
+    overrides = ["train.activation_checkpointing=full", "train.micro_batch_size=8", "train.global_batch_size=8"]
+    cfg = _demo_cfg(repo, *overrides)
+    step = check_memory(cfg, model_shape(cfg), Devices("one GPU", 1, 0, True), 1).fits[0].memory_ac
+    device = Devices("one mocked GPU", 1, step.total, True)
+    assert check_memory(cfg, model_shape(cfg), device, 1).strategy == "ddp"
+    tasks = _demo_cfg(repo, *overrides, "eval.tasks=[podtrain-next-line]")
+    with pytest.raises(UserError, match="needs .* GiB per device"):
+        check_memory(tasks, model_shape(tasks), device, 1)
 
 
 def test_largest_micro_batch_is_exact():

@@ -2,17 +2,21 @@
 
 The folder holds ``config.json``, ``model.safetensors`` and ``generation_config.json`` written by
 transformers' own ``save_pretrained`` (so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads
-it and gives the trained model's logits), the tokenizer files when the run's data directory has
-them (BPE or Hugging Face tokenizers; for a byte-level run, a tokenizers ``tokenizer.json`` built here
-that maps ids 0-255 to the UTF-8 bytes and 256 to ``<|endoftext|>``, so ``AutoTokenizer`` loads
-every export), and
-``podtrain_export.json`` naming the run, the step and the tokenizer. The folder is written under a
-temporary name and renamed into place, so a killed export never leaves a half folder.
+it and gives the trained model's logits; only the model's tensors are read from the checkpoint),
+the run's tokenizer files (BPE or Hugging Face tokenizers; for a byte-level run, a tokenizers
+``tokenizer.json`` built here that maps ids 0-255 to the UTF-8 bytes and 256 to
+``<|endoftext|>``, so ``AutoTokenizer`` loads every export), and ``podtrain_export.json`` naming
+the run, the step and the tokenizer. The tokenizer comes from the run's data as for ``sample`` and
+``eval`` (``ckpt.reader.run_data``: ``data.path`` or the first source of ``data.mix``, local or
+``s3://``; ``--data`` overrides); a run whose data cannot be found is refused in one line, never
+exported without its tokenizer. The folder is written under a temporary name and renamed into
+place, so a killed export never leaves a half folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import uuid
@@ -20,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from podtrain import __version__
-from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
+from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of, run_data
+from podtrain.data.manifest import Manifest
 from podtrain.errors import UserError
 from podtrain.fsutil import file_mode, writable_dir
 
@@ -32,28 +37,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory (holds ckpt/)")
     parser.add_argument("out_dir", help="folder to write (must not exist, or be empty)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--data", default=None, help="data directory holding the tokenizer, a folder or "
+                        "s3://... (default: the run's data.path, or the first source of its data.mix)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Export and print one line saying what was written."""
-    info = export_run(Path(args.run_dir), Path(args.out_dir), force=args.force)
+    info = export_run(Path(args.run_dir), Path(args.out_dir), force=args.force, data=args.data)
     tok = info["tokenizer"]
     print(f"exported step {info['step']} of {args.run_dir} to {args.out_dir} "
-          f"(tokenizer: {tok['kind']}{', files copied' if tok['files'] else ', no files'})")
+          f"(tokenizer: {tok['kind']} from {tok['data']})")
     return 0
 
 
-def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, Any]:
-    """Write the Hugging Face folder; returns what ``podtrain_export.json`` records."""
+def export_run(run_dir: Path, out_dir: Path, force: bool = False, data: str | None = None) -> dict[str, Any]:
+    """Write the Hugging Face folder; returns what ``podtrain_export.json`` records. ``data``:
+    where the tokenizer is (default: the run's own data, see the module docstring)."""
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise UserError(f"{out_dir} exists and is not empty (choose another OUT_DIR or pass --force)")
     writable_dir(out_dir.parent)  # a read-only or full disk: one line before any work
     ckpt = load_latest(run_dir)
     run_config = run_config_of(run_dir, ckpt)
+    manifest = run_data(ckpt, run_config, data)  # before the model: a missing tokenizer fails fast
+    tokenizer = {k: manifest.tokenizer.get(k) for k in ("kind", "name", "vocab_size", "eos_id", "files", "sha256")}
     model = build_model_from_checkpoint(ckpt, run_config)
-    tokenizer = _tokenizer_identity(run_config)
-    if tokenizer["kind"] != "unknown":
-        check_tokenizer(ckpt, tokenizer, _data_dir(run_config))
     model.config.use_cache = True  # training turned the KV cache off; inference wants it
     model.generation_config.use_cache = True
     eos = tokenizer.get("eos_id")
@@ -66,9 +73,9 @@ def export_run(run_dir: Path, out_dir: Path, force: bool = False) -> dict[str, A
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         _save_quietly(model, tmp)
-        copied = _copy_tokenizer(run_config, tokenizer, tmp)
+        copied = _copy_tokenizer(manifest, tmp)
         info = {"podtrain": __version__, "run_dir": str(run_dir), "checkpoint": str(ckpt.path),
-                "step": ckpt.step, "tokenizer": {**tokenizer, "files": copied}}
+                "step": ckpt.step, "tokenizer": {**tokenizer, "files": copied, "data": str(manifest.root)}}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
         for path in tmp.rglob("*"):  # the weights come out 0600; an export is meant to be shared
             if path.is_file():
@@ -94,35 +101,22 @@ def _save_quietly(model: Any, folder: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _data_dir(run_config: dict[str, Any]) -> Path | None:
-    path = (run_config.get("data") or {}).get("path")
-    return Path(path) if path else None
-
-
-def _tokenizer_identity(run_config: dict[str, Any]) -> dict[str, Any]:
-    """The tokenizer entry of the run's data manifest; kind "unknown" when the data is gone."""
-    data = _data_dir(run_config)
-    manifest = data / "manifest.json" if data else None
-    if manifest is None or not manifest.is_file():
-        return {"kind": "unknown", "note": f"data directory {data} not found: no tokenizer exported"}
-    ident = json.loads(manifest.read_text()).get("tokenizer", {})
-    return {k: ident.get(k) for k in ("kind", "name", "vocab_size", "eos_id", "files", "sha256")}
-
-
-def _copy_tokenizer(run_config: dict[str, Any], tokenizer: dict[str, Any], out: Path) -> list[str]:
-    """Copy the data directory's tokenizer files next to the weights (where HF looks for them)."""
-    data = _data_dir(run_config)
+def _copy_tokenizer(manifest: Manifest, out: Path) -> list[str]:
+    """Copy the data's tokenizer files next to the weights (where HF looks for them), read through
+    the data's store (a folder or s3://); the first (tokenizer.json) is checked against the
+    manifest's SHA-256, as training checked it."""
+    tokenizer = manifest.tokenizer
     files = tokenizer.get("files") or []
     copied = []
     if tokenizer.get("kind") == "byte":
         (out / "tokenizer.json").write_text(byte_level_tokenizer_json(int(tokenizer["eos_id"])))
         copied.append("tokenizer.json")
-    for rel in files:
-        src = data / rel
-        if not src.is_file():
-            raise UserError(f"{src} is missing: the run's tokenizer cannot be exported")
-        shutil.copyfile(src, out / src.name)
-        copied.append(src.name)
+    for i, rel in enumerate(files):
+        name, blob = rel.rsplit("/", 1)[-1], manifest.read_file(rel)  # missing: one line naming it
+        if i == 0 and tokenizer.get("sha256") and hashlib.sha256(blob).hexdigest() != tokenizer["sha256"]:
+            raise UserError(f"{manifest.root / rel}: sha256 does not match the manifest (tokenizer file changed)")
+        (out / name).write_bytes(blob)
+        copied.append(name)
     if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
         _write_tokenizer_config(out, tokenizer)
         copied.append("tokenizer_config.json")

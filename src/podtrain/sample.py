@@ -1,8 +1,9 @@
 """``podtrain sample RUN_DIR``: generate text from a run's newest checkpoint.
 
-The weights and the model config come from the checkpoint (no process group), the run config from
-the checkpoint's own copy (else ``RUN_DIR/config.yaml``), and the tokenizer from the run's data
-directory (``data.path``, relative to the current directory as at training time).
+The weights and the model config come from the checkpoint (no process group; the optimizer's
+pieces are not read), the run config from the checkpoint's own copy (else ``RUN_DIR/config.yaml``),
+and the tokenizer from the run's data (``ckpt.reader.run_data``: ``data.path`` or the first source
+of ``data.mix``, local or ``s3://``; ``--data`` overrides).
 
 A small model left to itself falls into a run of one token (the 200-step demo: 249 spaces in a
 305-character sample), so by default no token is drawn more than ``MAX_RUN`` times in a row, and
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,15 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block (default): end at the first blank line followed by unindented text "
                         "(a function's or a paragraph's end), else at the last whole line; none: at EOS "
                         "or --max-new-tokens")
-    parser.add_argument("--data", default=None, help="data directory holding the tokenizer "
-                        "(default: the run's data.path)")
+    parser.add_argument("--data", default=None, help="data directory holding the tokenizer, a folder or "
+                        "s3://... (default: the run's data.path, or the first source of its data.mix)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the run's newest weights and tokenizer, generate, print the text."""
-    from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_latest, run_config_of
-    from podtrain.data.manifest import read_manifest
-    from podtrain.data.mixture import primary_path
+    from podtrain.ckpt.reader import build_model_from_checkpoint, load_latest, run_config_of, run_data
     from podtrain.data.tokenizer import load_tokenizer
 
     if args.max_new_tokens < 1:
@@ -57,14 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-run must be 0 (off) or more, got {args.max_run}")
     ckpt = load_latest(args.run_dir)
     run_config = run_config_of(args.run_dir, ckpt)
-    section = run_config.get("data") or {}
-    data = Path(args.data or primary_path(section.get("mix") or [], section.get("path", "")))
-    if not (data / "manifest.json").is_file():
-        raise UserError(f"tokenizer not found: {data} (the run's data.path) has no manifest.json; "
-                        "pass --data DATA_DIR")
-    manifest = read_manifest(data)
-    check_tokenizer(ckpt, manifest.raw["tokenizer"], data)
-    tokenizer = load_tokenizer(manifest)
+    tokenizer = load_tokenizer(run_data(ckpt, run_config, args.data))
     model = build_model_from_checkpoint(ckpt, run_config)
     text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                          args.top_k, args.seed, args.max_run, args.stop)

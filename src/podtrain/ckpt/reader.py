@@ -1,11 +1,14 @@
-"""Reading checkpoints whole, without a process group: ``sample``, ``export``, tests.
+"""Reading checkpoints whole, without a process group: ``sample``, ``export``, ``eval``, tests.
 
 (A resume reads only each rank's share instead: ``podtrain.ckpt.load``.)
 
-``read_checkpoint`` puts every tensor of a checkpoint together from its pieces (whatever strategy
-and world size wrote it), checking every block's CRC-32; ``load_latest`` finds a run's newest
-checkpoint first (a directory holding a pickle file is refused with a ``UserError`` before any of
-it is read). ``build_model_from_checkpoint`` gives the transformers model it holds.
+``read_checkpoint`` puts the tensors of a checkpoint together from their pieces (whatever strategy
+and world size wrote it), checking every block's CRC-32; ``load_latest`` and ``load_step`` find a
+run's checkpoint (a directory holding a pickle file is refused with a ``UserError`` before any of
+it is read) and read its MODEL tensors only: the optimizer's pieces (AdamW: twice the weights) are
+never read for ``sample``, ``export`` or ``eval``. ``build_model_from_checkpoint`` gives the
+transformers model it holds; ``run_data`` the data its tokenizer comes from (the one source of
+the tokenizer for all three commands).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from podtrain.ckpt.load import piece_index, read_small
 from podtrain.ckpt.state import from_plain
 from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, verify_blocks
+from podtrain.data.manifest import MANIFEST_NAME, Manifest, read_manifest
+from podtrain.data.mixture import primary_path
 from podtrain.errors import UserError
 
 
@@ -40,7 +45,8 @@ class CheckpointData:
     model_config: dict[str, Any] | None
     """The transformers model config (config.json), when the model had one."""
     optimizer: dict[str, torch.Tensor] | None = None
-    """The optimizer's tensors by flattened name (``state.<param>.exp_avg``)."""
+    """The optimizer's tensors by flattened name (``state.<param>.exp_avg``); None when only the
+    model was read (``load_latest``, ``load_step``)."""
 
 
 def read_tensors(store, name: str, manifest: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -67,8 +73,9 @@ def read_tensors(store, name: str, manifest: dict, prefix: str = "") -> dict[str
     return out
 
 
-def read_checkpoint(store, name: str, manifest: dict) -> CheckpointData:
-    """Read a checkpoint (``name`` in ``store``, files named by ``manifest``); no process group."""
+def read_checkpoint(store, name: str, manifest: dict, optimizer: bool = True) -> CheckpointData:
+    """Read a checkpoint (``name`` in ``store``, files named by ``manifest``); no process group.
+    ``optimizer=False``: the model's tensors only (the optimizer's pieces are not read at all)."""
     raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON))
     small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
     weights = read_tensors(store, name, manifest, "model/")
@@ -81,7 +88,7 @@ def read_checkpoint(store, name: str, manifest: dict) -> CheckpointData:
     local = store.local_path(name)
     return CheckpointData(path=local if local is not None else Path(f"{store.url}/{name}"),
                           step=int(manifest["step"]), model_state=weights, state=state, model_config=config,
-                          optimizer=read_tensors(store, name, manifest, "optim/"))
+                          optimizer=read_tensors(store, name, manifest, "optim/") if optimizer else None)
 
 
 def peek_train_state(store, name: str, manifest: dict) -> dict[str, Any]:
@@ -114,7 +121,8 @@ def check_fit(own: dict[str, torch.Tensor], stored: dict[str, tuple[int, ...]], 
 
 
 def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
-    """The newest valid checkpoint of a run, read into memory (no process group needed)."""
+    """The newest valid checkpoint of a run, its model read into memory (no process group needed;
+    the optimizer's pieces are not read)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
@@ -124,19 +132,19 @@ def load_latest(run_dir: str | os.PathLike) -> CheckpointData:
         raise UserError(f"run directory {run_dir} has no complete checkpoint under "
                         f"{store.url} (train first, or check run.dir)")
     try:
-        return read_checkpoint(store, choice.name, choice.manifest)
+        return read_checkpoint(store, choice.name, choice.manifest, optimizer=False)
     except CorruptCheckpoint as exc:
         raise UserError(f"checkpoint {exc} (corrupted: resume the run to fall back to an older one)") from None
 
 
 def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
-    """A run's checkpoint of ``step``, read into memory; a UserError naming the steps there when
-    it is absent or not valid."""
+    """A run's checkpoint of ``step``, its model read into memory (not the optimizer); a UserError
+    naming the steps there when it is absent or not valid."""
     store, name = open_store(layout.run_ckpt_url(run_dir)), layout.step_name(step)
     manifest, why = layout.check(store, name) if name in store.list_dirs("") else (None, "no such checkpoint")
     if manifest is not None:
         try:
-            return read_checkpoint(store, name, manifest)
+            return read_checkpoint(store, name, manifest, optimizer=False)
         except (CorruptCheckpoint, StorageError) as exc:
             why = str(exc)
     steps = [s for s, _ in layout.committed_steps(store)]
@@ -200,6 +208,35 @@ def check_tokenizer(ckpt: CheckpointData, identity: dict[str, Any], where: str |
     if vocab and int(identity.get("vocab_size", 0)) > int(vocab):
         raise UserError(f"tokenizer mismatch: {where} holds {identity.get('name')!r} with "
                         f"{identity['vocab_size']} tokens, but {ckpt.path} has a vocabulary of {vocab}")
+
+
+def run_data(ckpt: CheckpointData, run_config: dict[str, Any], data: str | os.PathLike | None = None) -> Manifest:
+    """The prepared data a run's tokenizer comes from (``sample``, ``export`` and ``eval`` alike),
+    checked against the tokenizer ``ckpt`` was trained with (``check_tokenizer``).
+
+    ``data`` (``--data``) when given, else the run's ``data.path``, or the first source of its
+    ``data.mix`` (every source of a mix shares one tokenizer: the run checked it at start); a
+    folder or ``s3://bucket/prefix``, read through ``podtrain.storage`` (never made a ``Path``,
+    which would turn ``s3://`` into ``s3:/``). Relative paths are relative to the current
+    directory, as at training time. Data that cannot be found is a one-line ``UserError`` naming
+    where it was looked for and the fix.
+    """
+    if data:
+        where, origin = str(data), "--data"
+    else:
+        section = run_config.get("data") or {}
+        mix = section.get("mix") or []
+        where = primary_path(mix, section.get("path") or "")
+        origin = "the first source of the run's data.mix" if mix else "the run's data.path"
+    fix = "pass --data DATA_DIR (the run's prepared data: a folder or s3://bucket/prefix)"
+    if not where:
+        raise UserError(f"tokenizer not found: the run's config names no data (data.path and data.mix "
+                        f"are empty); {fix}")
+    if not open_store(where).exists(MANIFEST_NAME):
+        raise UserError(f"tokenizer not found: {where} ({origin}) has no {MANIFEST_NAME}; {fix}")
+    manifest = read_manifest(where)
+    check_tokenizer(ckpt, manifest.tokenizer, manifest.root)
+    return manifest
 
 
 @dataclass

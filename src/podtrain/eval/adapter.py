@@ -4,8 +4,9 @@ lm-eval's evaluator gives each rank every ``world_size``-th document (``LM.rank`
 ``LM.world_size``), pads the ranks to the same request count, and gathers the per-document
 metrics on rank 0 through ``all_gather`` / ``gather_object`` / ``barrier``, which this class
 implements over podtrain's ``DistContext`` (gloo or NCCL alike). The model is a plain module on
-each rank (a whole copy: see ``eval/runner.py`` for FSDP), so ranks never wait for each other
-while scoring.
+each rank (DDP, one process, ``podtrain eval``: ranks never wait for each other while scoring), or
+the FSDP/HSDP model itself with a ``Lockstep`` (``eval/lockstep.py``) that every request type ends
+by draining, so every rank runs as many forwards as the busiest.
 
 Tokenization follows lm-eval's ``HFLM``: context and continuation are encoded together and the
 continuation's tokens are those past the context's own encoding, with the context's trailing
@@ -23,6 +24,8 @@ from lm_eval.api.model import LM
 from torch import nn
 
 from podtrain.distributed.group import DistContext
+from podtrain.eval.lockstep import Lockstep
+from podtrain.eval.progress import Progress
 from podtrain.eval.scoring import greedy_until, max_length_of, rolling_pairs, score_pairs
 
 DEFAULT_BATCH_SIZE = 32
@@ -37,10 +40,14 @@ class PodtrainLM(LM):
     def __init__(self, model: nn.Module, tokenizer: Any, ctx: DistContext | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 on_progress: Callable[[], None] | None = None):
+                 on_progress: Callable[[], None] | None = None, max_tokens: int | None = None,
+                 lockstep: Lockstep | None = None, progress: Progress | None = None):
         """``ctx``: the job's process group (None: one process); ``autocast``: the forward's
-        precision context (the run's); ``max_length``: tokens per window (the model's limit);
-        ``on_progress``: called after each batch (the loop's watchdog: evaluating is not hanging)."""
+        precision context (the run's); ``max_length``: tokens per window (default: the model's
+        limit); ``max_tokens``: tokens per forward at most (None: ``batch_size`` requests whatever
+        their length); ``on_progress``: called after each batch (the loop's watchdog: evaluating
+        is not hanging); ``lockstep``: a sharded model's (see the module docstring); ``progress``:
+        the progress lines (default: every ``EVERY_S`` seconds on the main rank)."""
         super().__init__()
         self.model = model
         self.tok = tokenizer
@@ -52,6 +59,9 @@ class PodtrainLM(LM):
         self.max_length = int(max_length or max_length_of(model))
         self.autocast = autocast
         self.on_progress = on_progress or (lambda: None)
+        self.max_tokens = max_tokens
+        self.lockstep = lockstep
+        self.progress = progress or Progress(self._rank == 0)
         self.requests_done = 0
         """Requests answered (lm-eval's padding copies included): the throughput's numerator."""
 
@@ -98,7 +108,8 @@ class PodtrainLM(LM):
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), greedy)`` per ``(context, continuation)`` request."""
         pairs = [self.encode_pair(*req.args) for req in requests]
-        out = self._score(pairs)
+        out = self._score("loglikelihood", pairs)
+        self._in_step()
         self.requests_done += len(requests)
         for req, result in zip(requests, out):
             self.cache_hook.add_partial("loglikelihood", req.args, result)
@@ -109,8 +120,9 @@ class PodtrainLM(LM):
         texts = [req.args[0] for req in requests]
         windows = [rolling_pairs(self.tok.encode(t), self.tok.eos_id, self.max_length) for t in texts]
         flat = [pair for w in windows for pair in w]
-        scores = iter(self._score(flat))
+        scores = iter(self._score("loglikelihood_rolling windows", flat))
         out = [sum(next(scores)[0] for _ in w) for w in windows]
+        self._in_step()
         self.requests_done += len(requests)
         for req, result in zip(requests, out):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
@@ -121,6 +133,7 @@ class PodtrainLM(LM):
         out = []
         was_training = self.model.training
         self.model.eval()
+        self.progress.start("generate_until", len(requests))
         try:
             for req in requests:
                 context, kwargs = req.args[0], dict(req.args[1] or {})
@@ -131,18 +144,29 @@ class PodtrainLM(LM):
                                     int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS)),
                                     self.tok.eos_id, self.max_length, self.autocast)
                 out.append(text)
-                self.on_progress()
+                self._batch_done(1)
                 self.cache_hook.add_partial("generate_until", req.args, text)
         finally:
             self.model.train(was_training)
+        self._in_step()
         self.requests_done += len(requests)
         return out
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    def _in_step(self) -> None:
+        """The end of a request type on every rank: a sharded model's ranks catch up (``Lockstep``)."""
+        if self.lockstep is not None:
+            self.lockstep.drain(self.on_progress)
+
+    def _batch_done(self, units: int) -> None:
+        self.on_progress()
+        self.progress.advance(units)
+
+    def _score(self, kind: str, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         was_training = self.model.training
         self.model.eval()
+        self.progress.start(kind, len({(tuple(c), tuple(x)) for c, x in pairs}))  # scored once each
         try:
             return score_pairs(self.model, pairs, self.batch_size, self.max_length, self.autocast,
-                               self.on_progress)
+                               self._batch_done, self.max_tokens)
         finally:
             self.model.train(was_training)

@@ -3,12 +3,11 @@
 
 ``TaskEvaluator`` is built once (lm-eval present, the shipped tasks written from the data's
 validation split, the task names checked: a mistake surfaces at start, not after hours of
-training) and ``run`` many times. Under FSDP/HSDP each rank first assembles a whole copy of the
-weights (one all-gather per tensor) and scores its share of the requests on that copy: scoring
-then needs no collective per forward, so ranks with different request lengths never wait for
-each other, and the result does not depend on the sharding. The copy costs one model's weights
-of memory per rank for the duration of the evaluation; DDP and one-process runs score the
-model itself.
+training) and ``run`` many times. Every rank scores its share of the requests with the model
+itself: under DDP or in one process a whole model, under FSDP/HSDP the sharded model, its
+forwards kept in step over the ranks (``eval/lockstep.py``, which says why no whole copy is
+made), so task evaluation needs no weights beyond training's and the results do not depend on
+the sharding.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from torch import nn
 
 from podtrain.distributed.group import DistContext
 from podtrain.eval.harness import TaskSet, require_lm_eval, run_tasks
+from podtrain.eval.lockstep import Lockstep
 from podtrain.eval.tasks import shipped_task_dirs
 
 
@@ -29,13 +29,17 @@ class TaskEvaluator:
     """lm-eval tasks ready to run on a model (see the module docstring)."""
 
     def __init__(self, names: list[str], include: list[Path], limit: int | None, manifest: Any,
-                 tokenizer: Any, batch_size: int, what: str = "podtrain eval"):
+                 tokenizer: Any, batch_size: int, what: str = "podtrain eval", max_length: int | None = None,
+                 max_tokens: int | None = None):
         """``names``: task names; ``include``: the user's task folders; ``limit``: documents per
-        task (None: all); ``manifest``: the data whose validation split makes the shipped tasks."""
+        task (None: all); ``manifest``: the data whose validation split makes the shipped tasks;
+        ``max_length``: tokens per scored window (None: the model's position limit);
+        ``max_tokens``: tokens per forward (None: ``batch_size`` requests whatever their length)."""
         require_lm_eval(what)
         self.tokenizer = tokenizer
         self.limit = limit
         self.batch_size = batch_size
+        self.max_length, self.max_tokens = max_length, max_tokens
         self.tasks = TaskSet(names, shipped_task_dirs(names, manifest, tokenizer) + list(include))
 
     def run(self, model: nn.Module, ctx: DistContext,
@@ -43,30 +47,19 @@ class TaskEvaluator:
             on_progress: Callable[[], None] | None = None) -> tuple[dict[str, Any] | None, dict[str, float]]:
         """lm-eval's results (rank 0; None elsewhere) and ``{requests, seconds}`` of this rank."""
         from podtrain.eval.adapter import PodtrainLM
+        from podtrain.model import is_sharded, unwrap
 
         t0 = time.perf_counter()
-        lm = PodtrainLM(whole_model(model, ctx), self.tokenizer, ctx, self.batch_size,
-                        autocast=autocast, on_progress=on_progress)
-        results = run_tasks(lm, self.tasks, self.limit)
-        return results, {"requests": lm.requests_done, "seconds": time.perf_counter() - t0}
-
-
-def whole_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """``model`` itself, or under FSDP/HSDP a plain copy with the whole weights on this rank's
-    device (every rank calls this: the gather is collective)."""
-    from podtrain.model import is_sharded, unwrap
-
-    model = unwrap(model)
-    if not is_sharded(model):
-        return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    dtype = next(iter(state.values())).dtype
-    import torch
-
-    with torch.device(ctx.device):
-        copy = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-    copy.load_state_dict(state, strict=False)  # tied weights appear once in the state
-    return copy.eval()
+        model = unwrap(model)  # DDP's forward would sync buffers: scoring needs no wrapper
+        lockstep = Lockstep(model, ctx, self.tokenizer.eos_id) if is_sharded(model) else None
+        try:
+            lm = PodtrainLM(model, self.tokenizer, ctx, self.batch_size, self.max_length, autocast,
+                            on_progress, self.max_tokens, lockstep)
+            results = run_tasks(lm, self.tasks, self.limit)
+        finally:
+            if lockstep is not None:
+                lockstep.close()
+        mine = {"requests": lm.requests_done, "seconds": time.perf_counter() - t0}
+        if lockstep is not None:
+            mine.update(forwards=lockstep.forwards, padding_forwards=lockstep.padding)
+        return results, mine

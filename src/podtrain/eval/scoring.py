@@ -7,6 +7,12 @@ projection and log-softmax run only at the continuation's positions, not at ever
 projection dominates a small model's forward, and the log-softmax over all positions of a batch
 would hold batch x length x vocabulary floats). ``rolling_pairs`` cuts a whole text into the
 disjoint windows ``loglikelihood_rolling`` sums; ``greedy_until`` decodes with the KV cache.
+
+Every forward goes through the model's root module, never its base model alone: an FSDP/HSDP
+root gathers its own weights (embeddings, final norm, LM head) in its forward hooks, so the
+projection at the continuation's positions runs in a hook on the base model, inside the root's
+forward. ``max_tokens`` bounds the tokens of one forward (a batch holds fewer requests when they
+are long), so the memory of task evaluation during training is known in advance (``plan``).
 """
 
 from __future__ import annotations
@@ -45,10 +51,19 @@ def max_length_of(model: nn.Module, default: int = 2048) -> int:
     return default
 
 
+def rows_per_forward(batch_size: int, max_tokens: int | None, tokens_per_row: int) -> int:
+    """Rows of ``tokens_per_row`` tokens in one forward: ``batch_size``, fewer when ``max_tokens``
+    (None: no bound) would be exceeded, at least one."""
+    if max_tokens is None:
+        return batch_size
+    return max(1, min(batch_size, max_tokens // max(1, tokens_per_row)))
+
+
 @torch.no_grad()
 def score_pairs(model: nn.Module, pairs: Sequence[Pair], batch_size: int, max_length: int,
                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                on_batch: Callable[[], None] = lambda: None) -> list[tuple[float, bool]]:
+                on_batch: Callable[[int], None] = lambda scored: None,
+                max_tokens: int | None = None) -> list[tuple[float, bool]]:
     """``(sum of log p(continuation | context), continuation is the greedy choice)`` per pair.
 
     Identical pairs are scored once (lm-eval pads a rank's requests with copies). Continuations
@@ -58,7 +73,9 @@ def score_pairs(model: nn.Module, pairs: Sequence[Pair], batch_size: int, max_le
     ``max_length`` tokens of context + continuation (minus the last token): a group that does
     not fit is scored in batches, truncated from the left. Each question's numbers come from
     its own forwards only, so they do not depend on how requests are shared over ranks. One
-    host sync per forward batch (its scores), then ``on_batch()``.
+    host sync per forward batch (its scores), then ``on_batch(distinct pairs it scored)``. A
+    batch holds at most ``batch_size`` requests and ``max_tokens`` tokens (padding and a shared
+    context's cache copies included; None: no bound).
     """
     index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     keys = [(tuple(ctx), tuple(cont)) for ctx, cont in pairs]
@@ -76,25 +93,29 @@ def score_pairs(model: nn.Module, pairs: Sequence[Pair], batch_size: int, max_le
         longest = max(len(unique[i][1]) for i in members)
         if len(members) > 1 and ctx and len(ctx) + longest <= max_length + 1:
             conts = [unique[i][1] for i in members]
-            for i, score in zip(members, _score_shared(model, ctx, conts, batch_size, autocast, on_batch)):
+            for i, score in zip(members, _score_shared(model, ctx, conts, batch_size, autocast, on_batch,
+                                                       max_tokens)):
                 scores[i] = score
         else:
             singles += members
     rows = [[*unique[i][0], *unique[i][1]][-(max_length + 1):] for i in singles]
     lengths = [min(len(unique[i][1]), len(r) - 1) for i, r in zip(singles, rows)]
-    for i, score in zip(singles, _score_rows(model, rows, lengths, batch_size, autocast, on_batch)):
+    for i, score in zip(singles, _score_rows(model, rows, lengths, batch_size, autocast, on_batch, max_tokens)):
         scores[i] = score
     return [scores[index[key]] for key in keys]
 
 
 def _score_rows(model: nn.Module, rows: list[list[int]], lengths: list[int], batch_size: int,
-                autocast: Callable, on_batch: Callable) -> list[tuple[float, bool]]:
+                autocast: Callable, on_batch: Callable, max_tokens: int | None) -> list[tuple[float, bool]]:
     """Score the last ``lengths[i]`` tokens of each row given the tokens before them."""
     device = next(model.parameters()).device
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+    start = 0
+    while start < len(order):
+        # longest first: the chunk's first row is its padded length
+        chunk = order[start:start + rows_per_forward(batch_size, max_tokens, len(rows[order[start]]) - 1)]
+        start += len(chunk)
         inputs = torch.zeros(len(chunk), len(rows[chunk[0]]) - 1, dtype=torch.long)
         picks = []
         for b, i in enumerate(chunk):
@@ -105,21 +126,23 @@ def _score_rows(model: nn.Module, rows: list[list[int]], lengths: list[int], bat
             results = _continuation_scores(model, inputs.to(device), None, picks)
         for b, score in enumerate(results):
             out[chunk[b]] = score
-        on_batch()
+        on_batch(len(chunk))
     return out
 
 
 def _score_shared(model: nn.Module, ctx: Sequence[int], conts: list[Sequence[int]], batch_size: int,
-                  autocast: Callable, on_batch: Callable) -> list[tuple[float, bool]]:
+                  autocast: Callable, on_batch: Callable, max_tokens: int | None) -> list[tuple[float, bool]]:
     """Score each continuation after ``ctx``, the context's forward done once (KV cache)."""
     device = next(model.parameters()).device
     past = None
     with autocast():
         if len(ctx) > 1:
-            past = _cache_of(_forward(model, torch.tensor([list(ctx[:-1])], device=device), None))
+            past = _cache_of(_forward(model, torch.tensor([list(ctx[:-1])], device=device), None)[0])
     out = []
-    for start in range(0, len(conts), batch_size):
-        chunk = conts[start:start + batch_size]
+    # each row of a batch: the context's cache copy and the longest continuation
+    step = rows_per_forward(batch_size, max_tokens, len(ctx) + max(len(c) for c in conts))
+    for start in range(0, len(conts), step):
+        chunk = conts[start:start + step]
         inputs = torch.zeros(len(chunk), max(len(c) for c in chunk), dtype=torch.long)
         for b, cont in enumerate(chunk):
             inputs[b, :len(cont)] = torch.tensor([ctx[-1], *cont[:-1]])
@@ -130,15 +153,44 @@ def _score_shared(model: nn.Module, ctx: Sequence[int], conts: list[Sequence[int
         with autocast():
             out += _continuation_scores(model, inputs.to(device), cache,
                                         [(b, 0, list(c)) for b, c in enumerate(chunk)])
-        on_batch()
+        on_batch(len(chunk))
     return out
 
 
-def _forward(model: nn.Module, inputs: torch.Tensor, past: Any, use_cache: bool = True):
-    """The base model's output (hidden states, cache) where the head is plain, else the model's."""
+def _forward(model: nn.Module, inputs: torch.Tensor, past: Any, use_cache: bool = True,
+             rows: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> tuple[Any, torch.Tensor | None]:
+    """``(the root model's output, the logits at (rows, pos))`` (None without ``rows``).
+
+    Where the head is plain, the LM head runs only at those positions, in a hook on the base
+    model, inside the root's forward (whose hooks gather an FSDP root's weights), and the root's
+    own head only at the last position; other models give their full logits, picked after.
+    """
     path = _head_path(model)
-    module = path[0] if path is not None else model
-    return module(input_ids=inputs, use_cache=use_cache, **_cache_arg(module, past))
+    kwargs = {"input_ids": inputs, "use_cache": use_cache, **_cache_arg(model, past)}
+    if path is None:
+        out = model(**kwargs)
+        return out, (out.logits[rows, pos] if rows is not None else None)
+    base, head = path
+    picked: list[torch.Tensor] = []
+
+    def project(module: nn.Module, args: Any, output: Any) -> None:
+        if rows is not None:
+            picked.append(head(output.last_hidden_state[rows, pos]))
+
+    handle = base.register_forward_hook(project)
+    try:
+        out = model(**kwargs, **_last_logits_only(model))
+    finally:
+        handle.remove()
+    return out, (picked[0] if picked else None)
+
+
+def _last_logits_only(model: nn.Module) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model's forward takes it (its own head then projects one
+    position, not every one)."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _cache_arg(module: nn.Module, past: Any) -> dict[str, Any]:
@@ -166,10 +218,7 @@ def _continuation_scores(model: nn.Module, inputs: torch.Tensor, past: Any,
     rows = torch.tensor([b for b, first, t in picks for _ in t], device=device)
     pos = torch.tensor([first + j for b, first, t in picks for j in range(len(t))], device=device)
     tgt = torch.tensor([x for _, _, t in picks for x in t], device=device)
-    path = _head_path(model)
-    out = _forward(model, inputs, past, use_cache=past is not None)
-    logits = path[1](out.last_hidden_state[rows, pos]) if path is not None else out.logits[rows, pos]
-    logits = logits.float()
+    logits = _forward(model, inputs, past, past is not None, rows, pos)[1].float()
     token_lp = torch.log_softmax(logits, dim=-1).gather(1, tgt[:, None])[:, 0].double()
     hit = (logits.argmax(-1) == tgt).long()
     owner = torch.tensor([b for b, (_, _, t) in enumerate(picks) for _ in t], device=device)

@@ -1,10 +1,12 @@
 """What ``podtrain eval`` evaluates: a run's checkpoint or an exported Hugging Face folder.
 
-A run directory's checkpoint is read whole through ``ckpt.reader`` (the same functions
-``sample`` and ``export`` use; FSDP/HSDP checkpoints come back as whole weights), so every rank
-holds the whole model; the tokenizer is the run's data directory's (``--data`` overrides), checked
-against the hash the checkpoint recorded. Which checkpoint is rank 0's decision (the newest, or
-``--step``), broadcast, so a save landing meanwhile cannot split the ranks.
+A run directory's checkpoint is read through ``ckpt.reader`` (the same functions ``sample`` and
+``export`` use: the model's tensors only, never the optimizer's; FSDP/HSDP checkpoints come back
+as whole weights), so every rank holds the whole model; the tokenizer is the run's data
+(``ckpt.reader.run_data``: ``data.path`` or the first source of ``data.mix``, local or ``s3://``;
+``--data`` overrides), checked against the hash the checkpoint recorded; it is scored in windows
+of the run's ``data.seq_len`` tokens, as in training. Which checkpoint is rank 0's decision (the
+newest, or ``--step``), broadcast, so a save landing meanwhile cannot split the ranks.
 An exported folder (``podtrain export``, or any folder with ``config.json`` and
 ``tokenizer.json``) loads through transformers; its tokenizer is podtrain's byte tokenizer when
 ``podtrain_export.json`` says so, else the folder's ``tokenizer.json``.
@@ -34,6 +36,9 @@ class Source:
     """The data directory the tokenizer belongs to (its validation split makes the shipped tasks)."""
     step: int | None
     label: str
+    max_length: int | None = None
+    """Tokens per scored window: a run's ``data.seq_len`` (what it was trained on, and what its
+    in-training evaluation scores with); None: the model's position limit."""
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -41,7 +46,7 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "ckpt").is_dir()
 
 
-def load_source(path: Path, step: int | None, data: Path | None, ctx: DistContext) -> Source:
+def load_source(path: Path, step: int | None, data: str | None, ctx: DistContext) -> Source:
     """The model and tokenizer of ``path`` on this rank (called on every rank)."""
     if not path.exists():
         raise UserError(f"{path} does not exist (a run directory or an exported model folder)")
@@ -68,23 +73,20 @@ def _latest_step(run_dir: Path, step: int | None) -> int:
     return found
 
 
-def _load_run(run_dir: Path, step: int, data: Path | None) -> Source:
-    from podtrain.ckpt.reader import build_model_from_checkpoint, check_tokenizer, load_step, run_config_of
+def _load_run(run_dir: Path, step: int, data: str | None) -> Source:
+    from podtrain.ckpt.reader import build_model_from_checkpoint, load_step, run_config_of, run_data
     from podtrain.data.tokenizer import load_tokenizer
 
     ckpt = load_step(run_dir, step)
     run_config = run_config_of(run_dir, ckpt)
-    data = Path(data or (run_config.get("data") or {}).get("path", ""))
-    if not (data / "manifest.json").is_file():
-        raise UserError(f"tokenizer not found: {data} (the run's data.path) has no manifest.json; "
-                        "pass --data DATA_DIR")
-    manifest = read_manifest(data)
-    check_tokenizer(ckpt, manifest.raw["tokenizer"], data)
+    manifest = run_data(ckpt, run_config, data)
     model = build_model_from_checkpoint(ckpt, run_config)
-    return Source(model, load_tokenizer(manifest), manifest, ckpt.step, f"{run_dir} step {ckpt.step}")
+    seq_len = (run_config.get("data") or {}).get("seq_len")
+    return Source(model, load_tokenizer(manifest), manifest, ckpt.step, f"{run_dir} step {ckpt.step}",
+                  int(seq_len) if seq_len else None)
 
 
-def _load_hf(folder: Path, data: Path | None) -> Source:
+def _load_hf(folder: Path, data: str | None) -> Source:
     import torch
     from transformers import AutoModelForCausalLM
 

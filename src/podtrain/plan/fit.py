@@ -2,7 +2,8 @@
 (``launch local``, ``slurm``, ``k8s``) and every rank at start (``train.preflight``).
 
 * ``strategy_fits``: memory per device of ddp / fsdp / hsdp at the config's micro-batch, and the
-  largest micro-batch that fits, with and without activation checkpointing (``plan.memory``);
+  largest micro-batch that fits, with and without activation checkpointing (``plan.memory``;
+  with ``eval.tasks``, the task evaluation's forwards too);
 * ``choose``: the config's strategy when it fits, else the first that does (what ``plan`` shows);
 * ``check_memory``: refuse (``model.memory_check``) a job whose configured strategy does not fit,
   in one line naming the strategy and settings that do;
@@ -81,7 +82,8 @@ def strategy_fits(cfg: Any, shape: ModelShape, devices: Devices, world: int,
     for strategy in STRATEGIES:
         shards = shard_factor(strategy, world, cfg.dist.shard_size or devices.per_node)
         common = dict(shards=shards, seq_len=cfg.data.seq_len, dtype_bytes=dtype_bytes, gpu=devices.gpu,
-                      bucket_view=cfg.dist.gradient_as_bucket_view, eager_attention=eager)
+                      bucket_view=cfg.dist.gradient_as_bucket_view, eager_attention=eager,
+                      task_eval=bool(cfg.eval.tasks))
         items = {ac: memory_items(shape, strategy, micro_batch=cfg.train.micro_batch_size,
                                   checkpointing=ac, **common) for ac in (False, True)}
         largest = {}

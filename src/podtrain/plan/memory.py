@@ -15,6 +15,12 @@ h hidden, a = heads x head_dim, kv = kv_heads x head_dim, I = MLP width, V vocab
 With activation checkpointing every block keeps only its input (h) and one block's activations
 live again during its recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", the same accounting).
+
+Task evaluation during training (``eval.tasks``) runs between steps, when no micro-batch's
+activations are held, with the model as training holds it (sharded under FSDP/HSDP: no copy), on
+forwards of at most a training micro-batch's tokens (``train/evaluations.py``). It saves nothing
+for backward, but keeps KV caches: ``task_eval_bytes``. The activations item is the larger of
+the two, so a run whose evaluation would not fit is refused at start like one whose step would not.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class MemoryItems:
     activations: int
     buffers: int
     reserve: int
+    task_eval: int = 0
+    """Task evaluation's forwards (``eval.tasks``; 0 without): already in ``activations`` when larger."""
 
     @property
     def static(self) -> int:
@@ -121,6 +129,18 @@ def head_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     return 2 * shape.hidden * dtype_bytes + shape.vocab * (dtype_bytes + 8)
 
 
+def task_eval_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
+                    eager_attention: bool = False) -> int:
+    """Memory of one task-evaluation forward of ``micro_batch`` x ``seq_len`` tokens (its bound):
+    the KV caches of every block, twice (a multiple-choice context's cache beside its copies for
+    the choices: ``eval.scoring``), 2 x 2 kv per token per block; one block's values at a time
+    (no autograd: as a block saves them for backward); and after the blocks the log-probabilities
+    at the scored positions, at most every token (``head_activation_bytes_per_token``)."""
+    cache = 2 * shape.layers * 2 * shape.kv_width * dtype_bytes
+    block = block_activation_bytes_per_token(shape, dtype_bytes, seq_len, eager_attention)
+    return micro_batch * seq_len * (cache + block + head_activation_bytes_per_token(shape, dtype_bytes))
+
+
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_bytes: int,
                      checkpointing: bool, eager_attention: bool = False) -> int:
     """Activations of one micro-batch of ``micro_batch`` x ``seq_len`` tokens."""
@@ -132,8 +152,10 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, dtype_by
 
 def memory_items(shape: ModelShape, strategy: str, shards: int, micro_batch: int, seq_len: int,
                  dtype_bytes: int, checkpointing: bool, gpu: bool, bucket_view: bool = True,
-                 eager_attention: bool = False) -> MemoryItems:
-    """Memory per device for ``strategy`` with the state divided over ``shards`` ranks.
+                 eager_attention: bool = False, task_eval: bool = False) -> MemoryItems:
+    """Memory per device for ``strategy`` with the state divided over ``shards`` ranks;
+    ``task_eval``: the run scores ``eval.tasks`` (activations: the larger of a step's and an
+    evaluation forward's, see the module docstring).
 
     Buffers: DDP's gradient buckets unless gradients are bucket views (4 bytes/param), the
     autocast copies of the matmul weights in 16-bit (2 bytes each); FSDP/HSDP gather two blocks at
@@ -147,12 +169,12 @@ def memory_items(shape: ModelShape, strategy: str, shards: int, micro_batch: int
     else:
         gathered = max(shape.layer_params, shape.embedding_params)
         buffers = 2 * gathered * (dtype_bytes + GRAD_BYTES)
+    training = activation_bytes(shape, micro_batch, seq_len, dtype_bytes, checkpointing, eager_attention)
+    evaluation = task_eval_bytes(shape, micro_batch, seq_len, dtype_bytes, eager_attention) if task_eval else 0
     return MemoryItems(
         weights=WEIGHT_BYTES * p // shards, gradients=GRAD_BYTES * p // shards,
-        optimizer=OPTIM_BYTES * p // shards,
-        activations=activation_bytes(shape, micro_batch, seq_len, dtype_bytes, checkpointing,
-                                     eager_attention),
-        buffers=buffers, reserve=GPU_RESERVE_BYTES if gpu else CPU_RESERVE_BYTES)
+        optimizer=OPTIM_BYTES * p // shards, activations=max(training, evaluation),
+        buffers=buffers, reserve=GPU_RESERVE_BYTES if gpu else CPU_RESERVE_BYTES, task_eval=evaluation)
 
 
 def largest_micro_batch(items_at_one: MemoryItems, per_sequence: int, device_bytes: int) -> int:

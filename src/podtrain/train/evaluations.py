@@ -6,7 +6,11 @@
   on its own split (``val_loss_by_source``, ``val_bpb_by_source``) and the mixture's figures are
   the sources' weighted as the training mix;
 * lm-eval tasks (``eval.tasks``) every ``eval.tasks_every`` steps, each rank scoring its share
-  (``podtrain.eval``): the record gains ``TASK/METRIC`` fields (``podtrain-next-line/acc``).
+  with the model itself (under FSDP/HSDP the sharded model, its forwards in step over the ranks:
+  ``podtrain.eval.lockstep``), in windows of ``data.seq_len`` tokens and forwards of at most a
+  training micro-batch's tokens (``train.micro_batch_size`` x ``data.seq_len``), so it needs no
+  more memory than ``plan`` counts for it (``plan.memory.task_eval_bytes``): the record gains
+  ``TASK/METRIC`` fields (``podtrain-next-line/acc``).
 
 Both also run at the last step. ``eval.tasks`` is checked when the run starts (lm-eval
 installed, task names known, the shipped tasks written), not after hours of training. This is
@@ -76,8 +80,10 @@ class Evaluations:
             from podtrain.eval.evaluator import TaskEvaluator
             from podtrain.eval.harness import parse_tasks
 
+            seq_len = sources.seq_len
             self.tasks = TaskEvaluator(parse_tasks(cfg.tasks), [], cfg.tasks_limit or None, manifest,
-                                       load_tokenizer(manifest), TASK_BATCH_SIZE, what="eval.tasks")
+                                       load_tokenizer(manifest), TASK_BATCH_SIZE, what="eval.tasks",
+                                       max_length=seq_len, max_tokens=micro_batch_size * seq_len)
 
     def due(self, step: int, last: bool) -> bool:
         """Is anything evaluated after ``step``?"""
