@@ -319,30 +319,3 @@ def test_fsdp_buffers_come_from_rank_0_not_the_meta_device(ddp_runs):
         buffers = run[2]
         assert buffers.keys() == reference_buffers.keys()
         assert all(torch.equal(buffers[n], reference_buffers[n]) for n in buffers)
-
-
-def _whole_copy_rank(rank, world):
-    import torch
-
-    from podtrain.eval.evaluator import whole_model
-
-    with process_group(ClusterEnv.detect(), "gloo") as ctx:
-        precision = resolve_precision("fp32", ctx.device)
-        config = small_config()
-        config.vocab_size = 320
-        model, reference = built("fsdp", ctx, config)
-        expected = {k: v.clone() for k, v in reference.state_dict().items()} if reference is not None else None
-        chosen = build_strategy(DistSection(strategy="fsdp"), ctx, precision, 16)
-        chosen.wrap(model, reference)
-        copy = whole_model(model, ctx)  # eval.tasks under FSDP: every rank a whole plain copy
-        x = torch.arange(12)[None] % 320
-        logits = copy(input_ids=x).logits
-        chosen.release()
-        same = None if expected is None else all(torch.equal(copy.state_dict()[k], v) for k, v in expected.items())
-        return same, logits
-
-
-def test_eval_tasks_under_fsdp_score_a_whole_copy_of_the_weights():
-    same, logits = zip(*run_ranks(_whole_copy_rank, 2, timeout=90))
-    assert same[0] is True  # rank 0's whole model, gathered back from the shards
-    assert torch.equal(logits[0], logits[1])

@@ -1,0 +1,183 @@
+"""A storage outage never idles the GPUs or kills a job: real S3 (moto's server) behind the tests'
+fault proxy (tests/s3_fault_proxy.py, 503 SlowDown), real 2-rank training in forked processes over
+gloo, through podtrain's CLI entry point (so the exit codes are the ones a scheduler sees).
+
+1. An outage in the middle of a run (and throttling of a fraction of requests around it): the
+   step loop keeps going (saves due meanwhile are skipped), saves again after it, and the losses and
+   final weights equal those of a run without faults.
+2. An outage longer than ckpt.max_outage_s: the run stops with the retryable exit code 203; a rerun
+   once the storage is back resumes from the last good checkpoint and ends as the reference does.
+
+The in-suite outage lasts seconds (OUTAGE_S); ``bench/soak.py --kinds s3`` runs the 150 s one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from multirank import run_ranks
+from s3_fault_proxy import s3_proxy  # noqa: F401 (fixture)
+from synthetic_data import make_data_dir
+
+STEPS = 36
+OUTAGE_FROM, OUTAGE_UNTIL, OUTAGE_S = 4, 24, 6.0
+"""The outage starts when step 4 is logged and ends once step 24 is logged and 6 s have passed."""
+
+
+def _common(data: Path) -> list[str]:
+    return [f"data.path={data}", "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+            f"train.steps={STEPS}", "log.every=1", "eval.every=0", "ckpt.every=3", "ckpt.keep_last=0",
+            "ckpt.save_wait_s=0.3", "monitor.watchdog=false", "monitor.straggler_every=0",
+            "log.progress=off", "log.trackers=none", "optim.warmup_steps=2"]
+
+
+def _cli(rank, world, overrides):
+    from podtrain.cli import main
+
+    return main(["train", "configs/demo.yaml", *overrides])
+
+
+def _train(repo: Path, overrides: list[str], world: int = 2) -> list[int]:
+    cwd = os.getcwd()
+    os.chdir(repo)
+    try:
+        return run_ranks(_cli, world, overrides, timeout=240)
+    finally:
+        os.chdir(cwd)
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if record.get("kind") == kind:
+            out.append(record)
+    return out
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(run_dir, "train")}  # the last record of a step wins
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from podtrain.ckpt.reader import load_latest_weights
+
+    _, state, step = load_latest_weights(run_dir)
+    assert step == STEPS
+    return state
+
+
+class OutageDirector(threading.Thread):
+    """Watches a run's metrics and drives the proxy: the outage from step ``start`` until step
+    ``until`` is logged and ``min_s`` have passed (``until=None``: never ends); records when."""
+
+    def __init__(self, proxy, run_dir: Path, start: int, until: int | None, min_s: float):
+        super().__init__(daemon=True)
+        self.proxy, self.run_dir, self.start_step, self.until, self.min_s = proxy, run_dir, start, until, min_s
+        self.began: float | None = None
+        self.ended: float | None = None
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(0.05):
+            steps = [r["step"] for r in _records(self.run_dir, "train")]
+            last = max(steps, default=0)
+            if self.began is None and last >= self.start_step:
+                self.proxy.outage(True)
+                self.began = time.time()
+            elif (self.began is not None and self.ended is None and self.until is not None
+                  and last >= self.until and time.time() - self.began >= self.min_s):
+                self.proxy.outage(False)
+                self.ended = time.time()
+                return
+
+    def finish(self) -> None:
+        self._stop.set()
+        self.join(5)
+        self.proxy.outage(False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, repo):
+    """The same run without faults, checkpoints on local disk."""
+    from podtrain.model import preset_config
+
+    preset_config("tiny", 320)  # transformers' model code imported once, before the ranks fork
+    root = tmp_path_factory.mktemp("outage")
+    data = make_data_dir(root / "data", shard_tokens=(6000,), val_tokens=300)
+    run_dir = root / "reference"
+    assert _train(repo, _common(data) + [f"run.dir={run_dir}"]) == [0, 0]
+    return {"data": data, "losses": _losses(run_dir), "weights": _final_weights(run_dir)}
+
+
+def _assert_same_as(reference: dict, run_dir: Path) -> None:
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses == reference["losses"]
+    weights = _final_weights(run_dir)
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in reference["weights"])
+
+
+def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference, s3_proxy, s3_bucket,
+                                                                      tmp_path, repo):
+    url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
+    s3_proxy.fail_fraction(0.05, seed=3)  # throttling around the outage too
+    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, OUTAGE_UNTIL, OUTAGE_S)
+    director.start()
+    try:
+        codes = _train(repo, _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}"])
+    finally:
+        director.finish()
+    assert codes == [0, 0]
+    assert director.began is not None and director.ended is not None
+    train = _records(run_dir, "train")
+    during = [r["step"] for r in train if director.began <= r["time"] <= director.ended]
+    assert len(during) >= OUTAGE_UNTIL - OUTAGE_FROM - 2, during  # the step loop did not wait for S3
+    saves = _records(run_dir, "save")
+    assert any(s["skipped"] for s in saves)  # saves due during the outage were skipped, not waited for
+    assert max(s["save_s"] for s in saves) < 5.0  # no save stalled the loop for the outage
+    from podtrain.ckpt import layout
+
+    committed = [s for s, _ in layout.list_checkpoints(url)]
+    after = max(r["step"] for r in train if r["time"] <= director.ended)
+    assert any(s > after for s in committed) and STEPS in committed  # saved again after the outage
+    assert s3_proxy.stats()["failed"] > 0
+    _assert_same_as(reference, run_dir)
+
+
+def test_an_outage_past_max_outage_s_stops_with_the_retryable_code_and_a_rerun_resumes(
+        reference, s3_proxy, s3_bucket, tmp_path, repo):
+    from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE
+
+    url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
+    overrides = _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}", "ckpt.max_outage_s=3"]
+    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, None, 0.0)
+    director.start()
+    try:
+        codes = _train(repo, overrides)
+    finally:
+        director.finish()  # the storage is back
+    assert codes == [STORAGE_OUTAGE_EXIT_CODE] * 2 == [203, 203]
+    from podtrain.ckpt import layout
+
+    stopped_at = max(r["step"] for r in _records(run_dir, "train"))
+    assert stopped_at < STEPS
+    newest = max(s for s, _ in layout.list_checkpoints(url))
+    assert newest <= OUTAGE_FROM
+    assert _train(repo, overrides) == [0, 0]  # the scheduler's retry
+    segments = _records(run_dir, "segment")
+    assert segments[-1]["step"] == newest  # resumed from the last good checkpoint
+    _assert_same_as(reference, run_dir)
