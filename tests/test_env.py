@@ -58,3 +58,19 @@ def test_backend_auto():
     assert resolve_backend("gloo", cuda_available=True) == "gloo"
     with pytest.raises(UserError, match="needs CUDA"):
         resolve_backend("nccl", cuda_available=False)
+
+
+def test_the_file_descriptor_limit_is_raised_or_named_before_any_group_is_made():
+    """512 ranks x 3 gloo groups need ~2,000 sockets per rank: raised toward the hard limit when
+    it allows, else one line naming the limit and the host."""
+    import pytest
+
+    from podtrain.distributed import fd_limit
+    from podtrain.errors import UserError
+
+    need = fd_limit.sockets_needed(512, fd_limit.gloo_groups(local_tier=True))
+    assert need == 3 * 511 + fd_limit.MARGIN
+    assert fd_limit.ensure(2, 3, "h", limits=(1024, 4096)) == 1024  # small jobs: untouched
+    assert fd_limit.ensure(512, 3, "h", limits=(1024, 1 << 20)) == 2 * need  # raised, within the hard limit
+    with pytest.raises(UserError, match=r"needs ~2045 file descriptors .* limit on host node-9 is 1024 \(hard 1024\)"):
+        fd_limit.ensure(512, 3, "node-9", limits=(1024, 1024))

@@ -27,6 +27,7 @@ from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, blend_entropy
 from podtrain.data.mixture import ledger_fields, ledger_line
+from podtrain.distributed import fd_limit
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
 from podtrain.distributed.health import write_verdict
@@ -200,6 +201,8 @@ class Trainer:
         """Everything without a collective: data, model, optimizer; raises on a user mistake."""
         cfg, ctx = self.cfg, self.ctx
         writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
+        fd_limit.ensure(ctx.world_size, fd_limit.gloo_groups(bool(cfg.ckpt.local_dir)),
+                        ctx.env.hostname)
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
