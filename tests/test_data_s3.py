@@ -88,6 +88,7 @@ def _s3_rank(rank, world, local, url, cache_dir, cap_bytes, steps):
     here, _ = _batches(local, steps, world, rank)
     same = all(np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0]) for a, b in zip(remote, here))
     cache = BlockCache.shared(spec)
+    cache.wait_fetches()  # the read-ahead of the batch after the last may still be writing
     on_disk = sum(f.stat().st_size for f in cache.dir.iterdir())
     return same, cache.used_bytes, on_disk, cache.block, len(list(cache.dir.iterdir()))
 
@@ -148,3 +149,40 @@ def test_training_from_s3_mix_runs_and_resumes_with_the_local_losses(tmp_path, r
     local, s3 = _losses(tmp_path / "local"), _losses(tmp_path / "s3")
     assert sorted(local) == [1, 2, 3, 4] and sorted(s3) == [3, 4]
     assert s3 == pytest.approx({k: local[k] for k in (3, 4)}, rel=1e-5)
+
+
+def _zeroed_block_rank(rank, world, url, shard, sha, cache_dir):
+    import logging
+
+    from podtrain.data.cache import BlockCache, CacheSpec
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("podtrain").addHandler(handler)
+    spec = CacheSpec(str(cache_dir), 1 << 20)  # 16 KiB blocks
+    first = BlockCache(spec)
+    key = (url, shard, 1)
+    wanted = {key: (sha, first.block)}
+    fetched = bytes(first.blocks(wanted)[key])
+    [cached] = [f for f in first.dir.iterdir() if not f.name.startswith(".")]
+    cached.write_bytes(bytes(cached.stat().st_size))  # a node crash: the right size, all zeros
+    later = BlockCache(spec)  # the next process on this node
+    again = bytes(later.blocks(wanted)[key])
+    third = bytes(BlockCache(spec).blocks(wanted)[key])  # the block fetched again was cached whole
+    return fetched, again, third, warnings
+
+
+def test_a_zero_filled_cached_block_is_discarded_and_fetched_again(tmp_path, s3_server, s3_bucket):
+    """A cached block carries its CRC: a file of the right size full of zeros (what a node crash
+    leaves when the rename reached the disk and the data did not) is never trained on."""
+    import hashlib
+
+    local = make_data_dir(tmp_path / "d", shard_tokens=(20000,))
+    url = _upload(s3_server, s3_bucket, local, "web")
+    shard = next(p for p in local.iterdir() if p.name.startswith("train_"))
+    data = shard.read_bytes()
+    [(fetched, again, third, warnings)] = run_ranks(
+        _zeroed_block_rank, 1, url, shard.name, hashlib.sha256(data).hexdigest(), tmp_path / "cache", timeout=60)
+    assert fetched == again == third == data[16384:32768]
+    assert len(warnings) == 1 and "discarded and fetched again" in warnings[0] and "checksum" in warnings[0]

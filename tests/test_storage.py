@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from podtrain.errors import UserError
-from podtrain.storage import (AccessDenied, NoSpace, NoSuchBucket, NotFound, ReadOnly, StorageError, Transient,
-                              open_store)
+from podtrain.storage import (AccessDenied, NoSpace, NoSuchBucket, NotFound, ReadOnly, RetryPolicy, StorageError,
+                              Transient, open_store)
 from podtrain.storage import s3 as s3_mod
 from podtrain.storage import s3_config
 from podtrain.storage.errors import from_os_error, scrub
@@ -213,11 +213,13 @@ def test_s3_messages_are_classified_and_scrubbed(monkeypatch):
     assert scrub("aws_secret_access_key = abc") == "aws_secret_access_key = ***"
 
 
-def test_s3_retries_transient_failures_only():
+def test_the_retry_policy_retries_transient_failures_only():
+    """RetryPolicy: full-jitter waits under a doubling, capped ceiling; Transient retried until the
+    tries are spent (then exit 203), anything else raised at once."""
     class FakeS3Exception(Exception):
         pass
 
-    calls, waits = [], []
+    calls = []
 
     def flaky(fail_times, message):
         def op():
@@ -227,18 +229,26 @@ def test_s3_retries_transient_failures_only():
             return "ok"
         return op
 
+    def classify(exc):
+        return s3_mod.classify("s3://b/k", str(exc)) if isinstance(exc, FakeS3Exception) else None
+
+    policy = RetryPolicy(base_s=0.001, cap_s=0.004, max_attempts=4, seed=1)
+    ceilings = [min(0.004, 0.001 * 2 ** n) for n in range(8)]
+    waits = [policy.delay(n + 1) for n in range(8)]
+    assert all(0 <= w <= c for w, c in zip(waits, ceilings)) and len(set(waits)) == 8
     slow = "Client error: Request throttled"
-    assert s3_mod.with_retries("s3://b/k", flaky(2, slow), FakeS3Exception, sleep=waits.append) == "ok"
-    assert len(calls) == 3 and len(waits) == 2 and 0 < waits[0] < waits[1] <= 2 * s3_mod.BACKOFF_S * 1.5 * 2
+    assert policy.run("s3://b/k", flaky(2, slow), classify) == "ok" and len(calls) == 3
     calls.clear()
-    with pytest.raises(Transient, match="gave up after 4 tries"):
-        s3_mod.with_retries("s3://b/k", flaky(99, slow), FakeS3Exception, sleep=waits.append)
-    assert len(calls) == s3_mod.ATTEMPTS
+    with pytest.raises(Transient, match="Request throttled .gave up after 4 tries") as err:
+        policy.run("s3://b/k", flaky(99, slow), classify)
+    assert len(calls) == 4 and err.value.exit_code == 203
     calls.clear()
     with pytest.raises(NotFound):
-        s3_mod.with_retries("s3://b/k", flaky(99, "Service error: The key does not exist"), FakeS3Exception,
-                            sleep=waits.append)
+        policy.run("s3://b/k", flaky(99, "Service error: The key does not exist"), classify)
     assert len(calls) == 1
+    with pytest.raises(ZeroDivisionError):  # not a storage failure: raised as it is, never retried
+        policy.run("s3://b/k", lambda: 1 / 0, classify)
+    assert RetryPolicy().budget_s == 240.0 and RetryPolicy().max_attempts is None
 
 
 def test_s3_endpoint_and_region_as_the_sdks_read_them(tmp_path):

@@ -3,7 +3,9 @@
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``. Only the chosen module is imported, so ``podtrain launch slurm`` does not pay
 for importing transformers. A ``UserError`` anywhere becomes one line on stderr and exit code 2,
-and so does a storage failure on a path (read-only or full disk, permissions: ``errors.storage_error``).
+and so does a storage failure on a path (read-only or full disk, permissions: ``errors.storage_error``);
+a storage outage that outlasted its retries (``storage.Transient``, also when another exception was
+raised from it) is one line too, with exit code 203 (``errors.STORAGE_OUTAGE_EXIT_CODE``: retryable).
 """
 
 from __future__ import annotations

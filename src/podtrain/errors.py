@@ -1,10 +1,17 @@
-"""User-facing errors: one line, exit code 2, no traceback (bugs keep theirs)."""
+"""User-facing errors: one line, exit code 2, no traceback (bugs keep theirs); a storage outage that
+outlasted its retries: one line, exit code 203 (retried by schedulers)."""
 
 from __future__ import annotations
 
 import errno
 
 USER_ERROR_EXIT_CODE = 2
+STORAGE_OUTAGE_EXIT_CODE = 203
+"""Exit code of a storage outage that outlasted the retries (``storage.Transient``): sysexits'
+EX_TEMPFAIL (75) + 128. Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 and fails the job on
+1-127, so it is retried, unlike 2 (a user mistake) and 1 (a crash); it is above every signal's
+128+N (1-64), so it is never read as a kill; the Slurm batch script requeues on it like after a
+preemption."""
 
 
 class UserError(Exception):
@@ -43,10 +50,14 @@ def storage_error(exc: BaseException) -> UserError | None:
 
     Looks at ``exc`` and the exceptions it was raised ``from`` (a background checkpoint write
     re-raised at ``wait()``); only an ``OSError`` with one of ``STORAGE_ERRNOS`` that names its
-    path (or, for ``FULL_OR_READ_ONLY``, names none) qualifies, so bugs keep their traceback.
+    path (or, for ``FULL_OR_READ_ONLY``, names none) qualifies, so bugs keep their traceback. A
+    storage outage (exit code ``STORAGE_OUTAGE_EXIT_CODE``) anywhere in that chain is returned as
+    it is, so that whatever wrapped it, the process still exits with the retryable code.
     """
     seen = 0
     while exc is not None and seen < 8:
+        if isinstance(exc, UserError) and exc.exit_code == STORAGE_OUTAGE_EXIT_CODE:
+            return exc
         if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
             verb = "write" if exc.errno in FULL_OR_READ_ONLY else "use"
             if exc.filename:

@@ -4,9 +4,12 @@ Why blocks: a sample is a few KB, and an S3 GET costs a request whatever its siz
 (``block_bytes``: up to 256 KiB) serves every sample that falls in it while it is cached, and a
 window that crosses a block or shard edge is stitched from two. Blocks are cached under
 ``data.cache_dir`` as files named by the shard's SHA-256 (content, not url: data prepared again
-under the same prefix never reads stale blocks), written atomically (temporary name + rename, no
-fsync: a torn block fails its size check and is fetched again), and evicted least recently used
-so the cache stays within ``data.cache_gb``.
+under the same prefix never reads stale blocks), and evicted least recently used so the cache
+stays within ``data.cache_gb``. Each file is a small header (magic, CRC-32 and length of the
+block) and the block, written to a temporary name, fsynced and renamed. A file whose header or
+CRC does not match when a process first reads it (a node that crashed may leave a file of the
+right size full of zeros: the rename reached the disk, the data did not) is deleted and fetched
+again, with one warning; a block is trained on only as it is on S3.
 
 Each process of a node owns one slot folder (``local_I``) and ``cache_gb / local_world_size`` of
 the budget, so no two processes account for the same files. Data-parallel ranks read disjoint
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +44,9 @@ BLOCK_MIN = 4 << 10
 BLOCKS_IN_BUDGET = 64
 """A slot's budget holds at least this many blocks (so a tiny cap makes smaller blocks, not thrash)."""
 FETCH_THREADS = 16
+HEADER = struct.Struct("<4sIQ")
+"""Before each cached block: magic, CRC-32 of the block, its length in bytes."""
+MAGIC = b"PTB1"
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,7 @@ class BlockCache:
     def __getstate__(self):  # a worker process makes its own pool, store and index
         state = self.__dict__.copy()
         state["_pid"] = None
-        for key in ("_lock", "_pool", "_stores", "_files", "_inflight"):
+        for key in ("_lock", "_pool", "_stores", "_files", "_inflight", "_checked"):
             state.pop(key, None)
         return state
 
@@ -123,6 +131,8 @@ class BlockCache:
             self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="podtrain-s3")
             self._inflight: dict[Key, Future] = {}
             self._files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recent first
+            self._checked: set[str] = set()  # files whose CRC this process has verified (or written)
+            self._corrupt_seen = False
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 found = sorted(os.scandir(self.dir), key=lambda e: e.stat().st_mtime_ns)
@@ -145,6 +155,10 @@ class BlockCache:
     def _file(self, sha: str, j: int) -> str:
         return f"{sha[:32]}.{j}"
 
+    def _holds(self, file: str, length: int) -> bool:
+        """Whether ``file`` is cached with a block of ``length`` bytes (lock held)."""
+        return self._files.get(file) == HEADER.size + length
+
     def _fetch(self, key: Key, sha: str, length: int) -> np.ndarray:
         url, name, j = key
         store = self._stores.get(url)
@@ -156,28 +170,36 @@ class BlockCache:
         return buf
 
     def _keep(self, file: str, buf: np.ndarray) -> None:
-        """Write a fetched block into the cache (atomically) and evict down to the budget."""
-        if not self._writable or len(buf) > self.spec.slot_bytes:
+        """Write a fetched block into the cache (header + block, fsync, rename) and evict down to the budget."""
+        size = HEADER.size + len(buf)
+        if not self._writable or size > self.spec.slot_bytes:
             return
         with self._lock:
-            self._evict(len(buf))
+            self._evict(size)
         tmp = self.dir / f".{file}.{os.getpid()}.{threading.get_ident()}"
         try:
-            buf.tofile(tmp)
+            with open(tmp, "wb") as fh:
+                fh.write(HEADER.pack(MAGIC, zlib.crc32(buf), len(buf)))
+                fh.write(memoryview(buf))
+                fh.flush()
+                os.fsync(fh.fileno())  # the data on disk before the name: never a named file of zeros
             os.replace(tmp, self.dir / file)
         except OSError as exc:
             self._no_disk(exc)
             tmp.unlink(missing_ok=True)
             return
         with self._lock:
-            self._files[file] = len(buf)
+            self._files[file] = size
             self._files.move_to_end(file)
+            self._checked.add(file)
+            self._evict(0)  # fetch threads that made room at once may together have overshot it
 
     def _evict(self, incoming: int) -> None:
         """Remove least recently used blocks until ``incoming`` more bytes fit (lock held)."""
         total = sum(self._files.values())
         while self._files and total + incoming > self.spec.slot_bytes:
             file, size = self._files.popitem(last=False)
+            self._checked.discard(file)
             total -= size
             try:
                 os.unlink(self.dir / file)
@@ -190,26 +212,61 @@ class BlockCache:
         self._writable = False
 
     def _cached(self, sha: str, j: int, length: int) -> np.ndarray | None:
+        """The cached block (a read-only mapping), or None when it is not cached or fails its check."""
         file = self._file(sha, j)
         with self._lock:
-            known = self._files.get(file) == length
+            known = self._holds(file, length)
+            checked = file in self._checked
             if known:
                 self._files.move_to_end(file)
         if not known:
             return None
         try:  # a mapping stays valid if the file is evicted meanwhile
-            return np.memmap(self.dir / file, dtype=np.uint8, mode="r")
+            whole = np.memmap(self.dir / file, dtype=np.uint8, mode="r")
         except (OSError, ValueError):
             return None
+        block = whole[HEADER.size:]
+        if not checked:
+            magic, crc, size = HEADER.unpack(whole[:HEADER.size].tobytes())
+            if magic != MAGIC or size != length or zlib.crc32(block) != crc:
+                self._discard(file, "its checksum does not match (a torn write, e.g. a crash before the data "
+                                    "reached the disk)")
+                return None
+            with self._lock:
+                self._checked.add(file)
+        return block
+
+    def _discard(self, file: str, why: str) -> None:
+        """Delete a bad cached block (it is fetched again); warn the first time."""
+        with self._lock:
+            self._files.pop(file, None)
+            self._checked.discard(file)
+            first, self._corrupt_seen = not self._corrupt_seen, True
+        try:
+            os.unlink(self.dir / file)
+        except OSError:
+            pass
+        (log.warning if first else log.debug)("data cache %s: block %s discarded and fetched again: %s%s",
+                                               self.dir, file, why,
+                                               " (further ones are logged at debug level)" if first else "")
 
     def warm(self, wanted: Wanted) -> None:
         """Start fetching the wanted blocks that are neither cached nor in flight (returns at once)."""
         self._ready()
         for key, (sha, length) in wanted.items():
             with self._lock:
-                if key in self._inflight or self._files.get(self._file(sha, key[2])) == length:
+                if key in self._inflight or self._holds(self._file(sha, key[2]), length):
                     continue
                 self._inflight[key] = self._pool.submit(self._fetch, key, sha, length)
+
+    def wait_fetches(self) -> None:
+        """Return once every fetch started so far (``warm``'s read-ahead included) has ended: its
+        block is cached, or it failed (the failure is raised by ``blocks``, not here)."""
+        self._ready()
+        with self._lock:
+            pending = list(self._inflight.values())
+        for future in pending:
+            future.exception()
 
     def blocks(self, wanted: Wanted) -> dict[Key, np.ndarray]:
         """The bytes of every wanted block: from the cache, an in-flight fetch, or fetched now (in parallel)."""

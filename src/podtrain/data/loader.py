@@ -20,6 +20,8 @@ The model of the data (one picture to hold in your head):
 
 Batches are built ahead of the step by a background thread (or ``num_workers`` processes through
 ``torch.utils.data.DataLoader``), and the time the step waits for one is reported as ``wait_s``.
+A read that fails in either (a ``UserError``, or a storage outage that outlasted its retries:
+``storage.Transient``, exit 203) is raised by ``next()`` as the same exception, class included.
 """
 
 from __future__ import annotations
@@ -75,8 +77,21 @@ class _StepDataset(torch.utils.data.Dataset):
         return 2**62
 
     def __getitem__(self, k: int):
-        batch = self.loader.build(self.start + k * self.loader.global_batch_size, pin=False)
+        try:
+            batch = self.loader.build(self.start + k * self.loader.global_batch_size, pin=False)
+        except UserError as exc:
+            # DataLoader would re-raise it as ``type(exc)(its traceback text)``: a RuntimeError for a
+            # StorageError (whose constructor takes (url, cause)), a many-line UserError otherwise,
+            # and a Transient's retryable exit code lost. Handed over as an item, it arrives whole.
+            return _Failed(exc)
         return batch.micro_batches, batch.sample_ids, batch.consumed
+
+
+@dataclass
+class _Failed:
+    """A worker's read failure, carried to the main process as an item (exceptions pickle)."""
+
+    error: UserError
 
 
 class ShardedLoader:
@@ -253,7 +268,10 @@ class ShardedLoader:
             _StepDataset(self, self.consumed), batch_size=None, sampler=itertools.count(),
             num_workers=self.num_workers, prefetch_factor=max(1, self.prefetch // self.num_workers),
             pin_memory=self.pin_memory, persistent_workers=False)
-        for micro, ids, consumed in loader:
+        for item in loader:
+            if isinstance(item, _Failed):
+                raise item.error
+            micro, ids, consumed = item
             yield StepBatch(list(micro), np.asarray(ids), int(consumed))
 
     def next(self) -> StepBatch:

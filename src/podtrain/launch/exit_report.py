@@ -3,10 +3,12 @@
 torchrun reports a worker's failure as a 30-line ``ChildFailedError`` traceback and exits 1 whatever
 the worker's status, and after a signal-driven save it exits 1 with a ``SignalException``
 traceback. ``launch local`` wants the workers' own verdict instead: exit 2 and the one-line reason
-after a user mistake, 130/143 and the saved step after a stop signal. So it names a directory in
-``EXIT_REPORT_DIR`` and each rank's ``podtrain train`` writes ``rank_<R>.json`` there as it ends
-(``recording``): ``{"rank", "code", "message", "step"}``. Nothing is written when the variable is
-unset (Slurm, Kubernetes, a bare torchrun).
+after a user mistake, 203 and its one line after a storage outage, 130/143 and the saved step after
+a stop signal. So it names a directory in ``EXIT_REPORT_DIR`` and each rank's ``podtrain train``
+writes ``rank_<R>.json`` there as it ends (``recording``): ``{"rank", "code", "message", "step"}``.
+Nothing is written when the variable is unset (a bare torchrun). The Slurm batch script sets it
+too, and asks ``python3 -m podtrain.launch.exit_report DIR`` for the job's code after srun (it
+requeues on 203).
 
 A rank that cannot write one (SIGKILL, the hang watchdog's ``os._exit(124)``) is still known from
 torchrun's own failure summary (``torchrun_exit_codes``).
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from podtrain.errors import UserError, storage_error
+from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, storage_error
 
 EXIT_REPORT_DIR = "PODTRAIN_EXIT_REPORT_DIR"
 """Environment variable naming the directory where each rank writes ``rank_<R>.json``."""
@@ -41,9 +43,10 @@ class ExitReport:
 @contextlib.contextmanager
 def recording(rank: int) -> Iterator[ExitReport]:
     """Around a rank's whole ``train`` command: the body sets ``code``/``step`` on success; a
-    ``UserError`` or a storage failure (``errors.storage_error``) records 2 and its one line,
-    ``KeyboardInterrupt`` 130, any other exception 1
-    with its type and message (the traceback still goes to stderr). Exceptions propagate."""
+    ``UserError`` or a storage failure (``errors.storage_error``) records its exit code (2; 203 for
+    a storage outage, however it was wrapped) and its one line, ``KeyboardInterrupt`` 130, any
+    other exception 1 with its type and message (the traceback still goes to stderr). Exceptions
+    propagate."""
     report = ExitReport(rank=rank)
     try:
         yield report
@@ -97,17 +100,18 @@ def torchrun_exit_codes(output: str) -> dict[int, int]:
     return {int(rank): int(code) for rank, code in _FAILURE_RE.findall(output)}
 
 
-SEVERITY = (2, 124)
-"""Exit codes that explain a job's end over any other rank's (a user mistake, then a hang): the
-other ranks' codes are consequences (torchrun stops them, and a stopped rank may save and exit 143)."""
+SEVERITY = (USER_ERROR_EXIT_CODE, STORAGE_OUTAGE_EXIT_CODE, 124)
+"""Exit codes that explain a job's end over any other rank's (a user mistake, then a storage outage,
+then a hang): the other ranks' codes are consequences (torchrun stops them, and a stopped rank may
+save and exit 143; a rank that waited for the one stuck in its storage retries may hang or crash)."""
 
 
 def job_exit(reports: dict[int, ExitReport], torchrun_codes: dict[int, int]) -> tuple[int, ExitReport | None]:
     """The job's exit code and the report that explains it.
 
-    A user mistake (2) wins over a hang (124), which wins over a crash (any other non-signal code),
-    which wins over a signal stop (128+N); all zero is 0. Ranks without a report count with
-    torchrun's code for them.
+    A user mistake (2) wins over a storage outage (203), which wins over a hang (124), which wins
+    over a crash (any other non-signal code), which wins over a signal stop (128+N); all zero is
+    0. Ranks without a report count with torchrun's code for them.
     """
     codes = {rank: r.code for rank, r in reports.items()}
     for rank, code in torchrun_codes.items():
@@ -119,8 +123,28 @@ def job_exit(reports: dict[int, ExitReport], torchrun_codes: dict[int, int]) -> 
         if code in SEVERITY:
             return SEVERITY.index(code)
         if code == 0:
-            return 4
-        return 3 if code >= 128 or code < 0 else 2
+            return len(SEVERITY) + 2
+        return len(SEVERITY) + (1 if code >= 128 or code < 0 else 0)
 
     rank, code = min(sorted(codes.items()), key=lambda item: rank_order(item[1]))
     return code, reports.get(rank, ExitReport(rank=rank, code=code))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m podtrain.launch.exit_report DIR``: print the job's exit code from the ranks'
+    reports in DIR (nothing when there are none). The Slurm batch script asks it after srun:
+    torchrun's own code is 1 whatever its workers' were."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python3 -m podtrain.launch.exit_report REPORT_DIR", file=sys.stderr)
+        return 2
+    reports = read_reports(args[0])
+    if reports:
+        print(job_exit(reports, {})[0])
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

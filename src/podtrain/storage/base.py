@@ -10,9 +10,12 @@ import abc
 import io
 import pathlib
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator, TypeVar
 
 from podtrain.storage.errors import NotFound, StorageError
+from podtrain.storage.retry import RetryPolicy
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class Store(abc.ABC):
     """The root as given: a path or ``s3://bucket/prefix`` (never holds a secret)."""
     is_local: bool = False
     """True on POSIX (``local_path`` gives a real path), False on S3."""
+    retry: RetryPolicy
+    """How this store retries transient failures (its own unless one was given to ``open_store``);
+    ``store.retry.abandon()`` stops every retry of it, e.g. when a stop signal arrives."""
 
     def join(self, *parts: str) -> str:
         """A child name relative to the root: the parts joined by "/" (empty parts dropped)."""
@@ -145,10 +151,20 @@ class Store(abc.ABC):
     def open_write(self, name: str) -> Writer:
         """A ``Writer`` for ``name``: ``with store.open_write(name) as f: f.write(b)``; atomic."""
 
+    def write_replayable(self, name: str, fill: Callable[[Writer], T]) -> T:
+        """Write ``name`` atomically with ``fill(writer)`` and return what it returns; after a transient
+        failure (of a part, of the commit) the partial file is discarded and ``fill`` is called again
+        with a new writer, under the store's retry policy. So ``fill`` must write the same bytes each
+        time (e.g. from buffers that stay valid until this returns)."""
+        def once() -> T:
+            with self.open_write(name) as fh:
+                return fill(fh)
+
+        return self.retry.run(self.where(name), once)
+
     def write_bytes(self, name: str, data) -> None:
-        """Write ``data`` (bytes-like) to ``name`` atomically."""
-        with self.open_write(name) as fh:
-            fh.write(data)
+        """Write ``data`` (bytes-like) to ``name`` atomically (the whole of it again after a transient failure)."""
+        self.write_replayable(name, lambda fh: fh.write(data))
 
     # listing and deletion ---------------------------------------------------------------------
     @abc.abstractmethod

@@ -1,4 +1,5 @@
-"""Storage errors: one line naming the url and the cause, exit 2 (a ``UserError``), secrets scrubbed.
+"""Storage errors: one line naming the url and the cause, exit 2 (a ``UserError``), secrets scrubbed;
+a ``Transient`` one (the retries were spent or abandoned) exits 203 instead, a code schedulers retry.
 
 Every backend turns its own failures (``OSError``, ``S3Exception``) into these, so callers catch one
 family whatever the store. The message never holds a credential: ``scrub`` removes the values of the
@@ -11,7 +12,7 @@ import errno
 import os
 import re
 
-from podtrain.errors import UserError
+from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE, UserError
 
 
 class StorageError(UserError):
@@ -48,7 +49,13 @@ class ReadOnly(StorageError):
 
 
 class Transient(StorageError):
-    """A failure worth retrying (throttling, a 5xx, a dropped connection): raised once retries are spent."""
+    """A failure worth retrying (throttling, a 5xx, a dropped connection, a timeout): what the store's
+    ``RetryPolicy`` retries, and raises once its budget is spent or it was abandoned. Still a
+    ``StorageError`` (code that catches those keeps working), but the process exits with
+    ``STORAGE_OUTAGE_EXIT_CODE`` (203): the storage, not the user, failed, and a later attempt of
+    the job can succeed."""
+
+    exit_code = STORAGE_OUTAGE_EXIT_CODE
 
 
 _SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID",
@@ -82,6 +89,14 @@ _OS_CAUSES = {
     errno.ENOENT: (NotFound, "not found"),
     errno.ENOTDIR: (NotFound, "a parent is not a directory"),
     errno.EISDIR: (StorageError, "is a directory"),
+    # A network file system (NFS, Lustre/FSx) whose server or link is briefly gone: worth retrying.
+    # EIO is not among them: on a local disk it is a failing device, not a passing outage.
+    errno.ETIMEDOUT: (Transient, "timed out"),
+    errno.ESTALE: (Transient, "stale file handle (the file server restarted or failed over)"),
+    errno.ECONNRESET: (Transient, "connection reset"),
+    errno.ECONNABORTED: (Transient, "connection aborted"),
+    errno.ENETUNREACH: (Transient, "network unreachable"),
+    errno.EHOSTUNREACH: (Transient, "host unreachable"),
 }
 
 

@@ -3,11 +3,14 @@
 Writes are atomic through ``fsutil`` (a hidden temporary name in the same directory, fsync, rename,
 fsync of the directory), so a reader sees the old file or the whole new one. Reads go straight into
 the caller's buffer (``readinto``: no intermediate copy), and ``local_path`` hands out the real path
-for ``np.memmap``.
+for ``np.memmap``. A network file system's passing failures (ETIMEDOUT, ESTALE, a reset: see
+``errors.from_os_error``) are retried under the store's ``RetryPolicy``; a full, read-only or
+forbidden location is not.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from pathlib import Path
@@ -17,11 +20,20 @@ from podtrain.fsutil import open_temp, publish_temp
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import NotFound, StorageError, from_os_error
+from podtrain.storage.retry import RetryPolicy
 
 
 def is_temp_name(base: str) -> bool:
     """Whether ``base`` is an in-flight temporary file of ``fsutil.open_temp`` ('.NAME.XXXX.tmp')."""
     return base.startswith(".") and base.endswith(".tmp")
+
+
+def _retried(method):
+    """``method(self, name, ...)`` under the store's retry policy (its errors name ``where(name)``)."""
+    @functools.wraps(method)
+    def run(self: "PosixStore", name: str = "", *args):
+        return self.retry.run(self.where(name), lambda: method(self, name, *args))
+    return run
 
 
 class PosixWriter(Writer):
@@ -80,9 +92,10 @@ class PosixStore(Store):
 
     is_local = True
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, retry: RetryPolicy | None = None):
         self.url = str(url)
         self.root = Path(url)
+        self.retry = retry if retry is not None else RetryPolicy()
 
     def _path(self, name: str) -> Path:
         return self.root / self.check_name(name)
@@ -91,6 +104,7 @@ class PosixStore(Store):
         """The real path of ``name`` (whether or not it exists yet)."""
         return self._path(name)
 
+    @_retried
     def stat(self, name: str) -> Entry:
         """Size and mtime (ns) of ``name``."""
         try:
@@ -105,6 +119,7 @@ class PosixStore(Store):
         """Whether the file ``name`` exists."""
         return self._path(name).is_file()
 
+    @_retried
     def read_into(self, name: str, offset: int, buf) -> None:
         """Fill ``buf`` from ``offset`` with ``readinto`` (no intermediate copy)."""
         view = writable_view(buf)
@@ -123,6 +138,7 @@ class PosixStore(Store):
             raise StorageError(self.where(name), f"short read: wanted {len(view)} bytes at offset {offset}, "
                                                  f"the file ends after {offset + got}")
 
+    @_retried
     def open_read(self, name: str) -> BinaryIO:
         """The file itself, opened for buffered binary reading."""
         try:
@@ -157,6 +173,7 @@ class PosixStore(Store):
                 elif child.startswith(prefix):
                     yield child, ent
 
+    @_retried
     def list(self, prefix: str = "") -> list[Entry]:
         """Every committed file whose name starts with ``prefix``, sorted by name."""
         out = []
@@ -170,6 +187,7 @@ class PosixStore(Store):
             out.append(Entry(name, st.st_size, str(st.st_mtime_ns)))
         return sorted(out, key=lambda e: e.name)
 
+    @_retried
     def list_dirs(self, prefix: str = "") -> list[str]:
         """The immediate subdirectories of the directory ``prefix`` (empty ones included)."""
         prefix = prefix.strip("/")
@@ -181,6 +199,7 @@ class PosixStore(Store):
             raise from_os_error(self.where(prefix), exc) from None
         return sorted(self.join(prefix, e.name) for e in entries if e.is_dir(follow_symlinks=False))
 
+    @_retried
     def delete(self, name: str) -> None:
         """Remove ``name`` if it exists."""
         try:
@@ -188,6 +207,7 @@ class PosixStore(Store):
         except OSError as exc:
             raise from_os_error(self.where(name), exc) from None
 
+    @_retried
     def delete_prefix(self, prefix: str) -> None:
         """Remove every file (temporaries too) whose name starts with ``prefix``, then the emptied directories."""
         if not prefix:

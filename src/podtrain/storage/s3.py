@@ -2,18 +2,21 @@
 
 Writes stream into a multipart upload that is completed when the writer commits and aborted on an
 exception or when a writer is dropped, so a partial object is never visible (a process killed with
-SIGKILL leaves an incomplete upload: invisible, but billed until a bucket lifecycle rule
-``AbortIncompleteMultipartUpload`` removes it). Reads are ranged GETs straight into the caller's
-buffer. Transient failures (throttling, 5xx, dropped connections) are retried a bounded number of
-times with exponential backoff, on top of the CRT's own per-request retries. Every failure becomes a
-one-line ``StorageError`` naming the object's url and the cause; credentials never appear in it.
+SIGKILL, or an upload cut by an outage that also fails its abort, leaves an incomplete upload:
+invisible, but billed until a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` removes it).
+Reads are ranged GETs straight into the caller's buffer. Every request is retried on transient
+failures (throttling, 5xx, dropped connections, timeouts) under the store's ``RetryPolicy``
+(``podtrain.storage.retry``), on top of the CRT's own short per-request retries
+(``s3_client.CRT_MAX_ATTEMPTS``): HEAD, DELETE, every LIST page, every ranged GET (resumed where
+it stopped), and uploads as a whole (``write_replayable``: the CRT retries each part; a part that
+still fails fails the upload, which is then aborted and sent again from the start). Every failure
+becomes a one-line ``StorageError`` naming the object's url and the cause; credentials never
+appear in it.
 """
 
 from __future__ import annotations
 
-import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -21,38 +24,46 @@ from podtrain.storage import s3_client
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import AccessDenied, NoSuchBucket, NotFound, StorageError, Transient
+from podtrain.storage.retry import RetryPolicy
 from podtrain.storage.s3_config import parse_s3_url
 
 T = TypeVar("T")
-ATTEMPTS = 4
-"""Tries of one operation on a transient failure (the CRT already retries each HTTP request)."""
-BACKOFF_S = 0.25
-"""First wait between tries; doubled each time, with jitter, capped at ``BACKOFF_MAX_S``."""
-BACKOFF_MAX_S = 4.0
 DELETE_THREADS = 16
 LIST_PAGE_KEYS = 1000
-"""Keys per ListObjectsV2 page (S3's maximum); the connector follows continuation tokens."""
+"""Keys per ListObjectsV2 page (S3's maximum); each page is retried on its own."""
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
 _STATUS = re.compile(r"response_status:\s*(\d+)")
+_CRT_ERROR = re.compile(r"\b(AWS_(?:ERROR|IO)_[A-Z0-9_]+)")
 _TRANSIENT_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "RequestTimeTooSkewed"}
+                    "ThrottlingException", "RequestTimeTooSkewed", "TooManyRequests"}
+_TRANSIENT_STATUS = {429, 500, 502, 503, 504}
+# What s3torchconnector 1.5 says for each transient failure, observed through tests/s3_fault_proxy.py:
+# 503 SlowDown or ServiceUnavailable: "Client error: Request throttled" (no status, no body); 500:
+# "Unknown CRT error: ... AWS_ERROR_S3_INTERNAL_ERROR, Response code indicates internal server
+# error"; RequestTimeout: "... AWS_ERROR_S3_REQUEST_TIMEOUT ..."; a reset connection: "...
+# AWS_IO_SOCKET_CLOSED, socket is closed."; 502/504: "MetaRequestResult { response_status: 502 ...".
+_TRANSIENT_CRT = ("AWS_ERROR_S3_INTERNAL_ERROR", "AWS_ERROR_S3_SLOW_DOWN", "AWS_ERROR_S3_REQUEST_TIMEOUT",
+                  "AWS_IO_SOCKET_", "AWS_ERROR_HTTP_CONNECTION_CLOSED", "AWS_ERROR_HTTP_SERVER_CLOSED",
+                  "AWS_ERROR_HTTP_RESPONSE_FIRST_BYTE_TIMEOUT", "AWS_IO_RETRY_PERMISSION_DENIED")
 _TRANSIENT_WORDS = ("throttl", "timeout", "timed out", "connection", "socket", "broken pipe", "reset by peer",
-                    "service unavailable", "slow down", "internal error")
+                    "service unavailable", "slow down", "internal error", "internal server error")
 
 
 def classify(url: str, message: str) -> StorageError:
     """The ``StorageError`` for an ``S3Exception`` message at ``url``: one line, the S3 error code and
-    message instead of the CRT's dump of headers and XML."""
+    message instead of the CRT's dump of headers and XML; ``Transient`` for what is worth retrying."""
     code = (_CODE.search(message) or [None, ""])[1]
     text = (_MESSAGE.search(message) or [None, ""])[1]
     status = int((_STATUS.search(message) or [None, "0"])[1])
+    crt = (_CRT_ERROR.search(message) or [None, ""])[1]
     low = message.lower()
     if code or status:
         cause = f"{code or 'HTTP ' + str(status)}: {text or 'S3 request failed'}" + (f" (HTTP {status})" if status else "")
     else:
         cause = message.split(": ", 1)[1] if message.startswith(("Service error: ", "Client error: ")) else message
+        cause = cause.removeprefix("Unknown CRT error: ")
     if code == "NoSuchBucket" or "bucket does not exist" in low:
         return NoSuchBucket(url, "no such bucket" + (f" ({cause})" if code else ""))
     if code in ("NoSuchKey", "NotFound") or "key does not exist" in low or "object was not found" in low:
@@ -65,30 +76,19 @@ def classify(url: str, message: str) -> StorageError:
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken") or status == 403 \
             or "forbidden" in low:
         return AccessDenied(url, f"access denied ({cause})")
-    if code in _TRANSIENT_CODES or status in (500, 502, 503, 504) or any(w in low for w in _TRANSIENT_WORDS):
+    if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS or crt.startswith(_TRANSIENT_CRT) \
+            or any(w in low for w in _TRANSIENT_WORDS):
         return Transient(url, cause)
     return StorageError(url, cause)
 
 
-def with_retries(url: str, op: Callable[[], T], s3_exception: type, attempts: int = ATTEMPTS,
-                 sleep: Callable[[float], None] = time.sleep) -> T:
-    """``op()``, retried on transient S3 failures up to ``attempts`` tries with jittered exponential
-    backoff; any other failure, or the last transient one, raised as a one-line ``StorageError``."""
-    for attempt in range(attempts):
-        try:
-            return op()
-        except s3_exception as exc:
-            err = classify(url, str(exc))
-        if not isinstance(err, Transient) or attempt == attempts - 1:
-            if isinstance(err, Transient):
-                err = Transient(url, f"{err.cause} (gave up after {attempts} tries)")
-            raise err from None
-        sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt) * (0.5 + random.random()))
-    raise AssertionError("unreachable")
-
-
 class S3ObjectWriter(Writer):
-    """Streams into a multipart upload; ``commit`` completes it, ``abort`` (or an exception) aborts it."""
+    """Streams into a multipart upload; ``commit`` completes it, ``abort`` (or an exception) aborts it.
+
+    Not retried by itself (the bytes already streamed are gone): ``Store.write_replayable`` sends
+    the whole object again after a transient failure. ``store.retry.abandon()`` stops it at the
+    next slice of ``s3_client.WRITE_SLICE`` bytes.
+    """
 
     def __init__(self, store: "S3Store", name: str):
         self.name, self._store, self._url = name, store, store.where(name)
@@ -103,10 +103,15 @@ class S3ObjectWriter(Writer):
             raise ValueError(f"{self._url}: write to a closed writer")
         view = byte_view(data)
         try:
-            self._upload.write(view)
+            for i in range(0, len(view), s3_client.WRITE_SLICE):
+                self._store.retry.check(self._url)
+                self._upload.write(view[i:i + s3_client.WRITE_SLICE])
         except self._store.s3_exception as exc:
             self.abort()
             raise classify(self._url, str(exc)) from None
+        except Transient:
+            self.abort()
+            raise
         self._written += len(view)
         return len(view)
 
@@ -136,9 +141,10 @@ class S3Store(Store):
 
     is_local = False
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, retry: RetryPolicy | None = None):
         self.url = url
         self.loc = parse_s3_url(url)
+        self.retry = retry if retry is not None else RetryPolicy()
         self._client = None
         self.s3_exception = s3_client.s3_exception_type(url)  # fails now, in one line, without the extra
         self._bucket_checked = False
@@ -151,14 +157,17 @@ class S3Store(Store):
         return self._client
 
     def call(self, url: str, op: Callable[[], T]) -> T:
-        """``op()`` with bounded retries and one-line errors naming ``url``."""
-        return with_retries(url, op, self.s3_exception)
+        """``op()`` under the store's retry policy, with one-line errors naming ``url``."""
+        return self.retry.run(url, op, self._classify(url))
+
+    def _classify(self, url: str) -> Callable[[Exception], StorageError | None]:
+        return lambda exc: classify(url, str(exc)) if isinstance(exc, self.s3_exception) else None
 
     def _not_found(self, name: str, err: NotFound) -> NotFound:
         """``err``, or ``NoSuchBucket`` when the bucket itself is missing (HEAD cannot tell them apart)."""
         if not self._bucket_checked:
-            self.call(self.url, lambda: next(iter(self.client.list_objects(self.loc.bucket, self.loc.prefix,
-                                                                           "/", 1))))
+            listing = s3_client.Listing(self.client, self.loc.bucket, self.loc.prefix, "/", 1)
+            self.call(self.url, listing.next_page)
             self._bucket_checked = True
         return err
 
@@ -198,24 +207,13 @@ class S3Store(Store):
         """A writer streaming into a multipart upload of ``name``."""
         return S3ObjectWriter(self, self.check_name(name))
 
-    def write_bytes(self, name: str, data) -> None:
-        """Upload ``data`` to ``name`` atomically, retrying the whole upload on a transient failure."""
-        url = self.where(name)
-        for attempt in range(ATTEMPTS):
-            try:
-                with self.open_write(name) as fh:
-                    fh.write(data)
-                return
-            except Transient:
-                if attempt == ATTEMPTS - 1:
-                    raise
-                time.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt) * (0.5 + random.random()))
-        raise AssertionError(url)
-
-    def _pages(self, key_prefix: str, delimiter: str):
-        """All pages of a listing (the connector follows continuation tokens), retried as a whole."""
-        return self.call(self.url, lambda: list(self.client.list_objects(self.loc.bucket, key_prefix, delimiter,
-                                                                           LIST_PAGE_KEYS)))
+    def _pages(self, key_prefix: str, delimiter: str) -> list:
+        """All pages of a listing, each page retried on its own (from its continuation token)."""
+        listing = s3_client.Listing(self.client, self.loc.bucket, key_prefix, delimiter, LIST_PAGE_KEYS)
+        pages = []
+        while (page := self.call(self.url, listing.next_page)) is not None:
+            pages.append(page)
+        return pages
 
     def list(self, prefix: str = "") -> list[Entry]:
         """Every object whose name starts with ``prefix``, sorted by name."""

@@ -11,6 +11,21 @@ visible). ``Upload`` below holds the only reference to that stream and drops it 
 
 Ranged reads also use the native ``get_object(bucket, key, start, end)`` (what ``RangedS3Reader``
 calls inside), so a read fills the caller's buffer without a HEAD request or a second buffer.
+
+Retries happen at two levels, and the inner one is kept short on purpose (``CRT_MAX_ATTEMPTS``).
+The CRT retries each HTTP request itself (each part of an upload, each ranged GET) on 503
+SlowDown/ServiceUnavailable, 500, RequestTimeout and dropped connections, with exponential backoff
+(500 ms scale, 20 s cap, full jitter), but not on 502/504 or 403. Measured through a proxy that
+answers 503 SlowDown (tests/s3_fault_proxy.py): with the connector's default of 10 attempts one
+HEAD took 38 s to fail, and podtrain's 4 tries on top of it 155 s, during which nothing could stop
+it. Its retries also draw from a token bucket shared by the whole client (500 tokens, 5 per retry,
+1 back per success): after ~100 failed requests it stops retrying at all until successes refill
+it. So the CRT gets 5 attempts, and podtrain's ``RetryPolicy`` owns the long wait, with a time
+budget that the CRT's retries are counted in, and ``abandon()``. Why 5: the parts of a streamed
+upload cannot be sent again by podtrain (their bytes are gone), so the CRT's retries are all a
+part gets, and a failed part fails the upload: with 5% of requests throttled, a 10 GB piece (1250
+parts) fails with 3 attempts 15% of the time, with 5 attempts 0.04%. And a stop signal waits for
+a part's retries (at most ~7.5 s of backoff with 5 attempts; ~90 s with 10).
 """
 
 from __future__ import annotations
@@ -24,7 +39,9 @@ from podtrain.storage.errors import StorageError
 EXTRA_HINT = "needs the optional dependency s3torchconnector: pip install 'podtrain[s3]'"
 WRITE_SLICE = 8 << 20
 """Bytes handed to the native stream per call: the stream takes only ``bytes`` (a copy), so large
-buffers go in slices to bound the extra memory."""
+buffers go in slices to bound the extra memory (and a stop is noticed between slices)."""
+CRT_MAX_ATTEMPTS = 5
+"""Tries of each HTTP request inside the CRT client (its default is 10: see the module doc)."""
 
 _clients: dict = {}
 _lock = threading.Lock()
@@ -57,7 +74,8 @@ def client_for(url: str):
     with _lock:
         client = _clients.get(key)
         if client is None:
-            config = S3ClientConfig(force_path_style=endpoint is not None, profile=profile)
+            config = S3ClientConfig(force_path_style=endpoint is not None, profile=profile,
+                                    max_attempts=CRT_MAX_ATTEMPTS)
             client = _clients[key] = S3Client(region, endpoint=endpoint, s3client_config=config)
         return client
 
@@ -65,6 +83,34 @@ def client_for(url: str):
 def get_range(client, bucket: str, key: str, start: int, end: int) -> Iterator[bytes]:
     """The bytes ``[start, end)`` of an object as the chunks the CRT delivers (parallel ranged GETs)."""
     return iter(client._client.get_object(bucket, key, start, end))
+
+
+class Listing:
+    """A ListObjectsV2 listing read one page at a time, each page retryable on its own: ``next_page()``
+    either returns the next page (None after the last) or raises and leaves the listing where it was,
+    so calling it again asks for the same page (from the same continuation token) again."""
+
+    def __init__(self, client, bucket: str, prefix: str, delimiter: str, max_keys: int):
+        self._client, self._args = client, (bucket, prefix, delimiter, max_keys)
+        self._token: str | None = None
+        self.complete = False
+
+    def next_page(self):
+        """The next ``ListObjectResult``, or None when the listing is complete."""
+        if self.complete:
+            return None
+        from s3torchconnectorclient._mountpoint_s3_client import ListObjectStream
+
+        # A fresh stream from the last good state for every page: a stream whose request failed
+        # is not reused (its internal state after the error is the connector's business).
+        stream = ListObjectStream._from_state(self._client._client, *self._args, self._token, False)
+        try:
+            page = next(stream)
+        except StopIteration:
+            self.complete = True
+            return None
+        self._token, self.complete = stream.continuation_token, stream.complete
+        return page
 
 
 class Upload:
@@ -75,9 +121,8 @@ class Upload:
         self._stream = client._client.put_object(bucket, key)
 
     def write(self, view: memoryview) -> None:
-        """Upload ``view``'s bytes (in slices: the native stream copies them into ``bytes``)."""
-        for i in range(0, len(view), WRITE_SLICE):
-            self._stream.write(bytes(view[i:i + WRITE_SLICE]))
+        """Upload ``view``'s bytes (at most ``WRITE_SLICE`` of them: the native stream copies them)."""
+        self._stream.write(bytes(view))
 
     def complete(self) -> None:
         """Send the last part and CompleteMultipartUpload: the object becomes visible, whole."""

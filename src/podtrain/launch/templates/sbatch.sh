@@ -83,6 +83,10 @@ TORCHRUN=(python3 -m torch.distributed.run @@TORCHRUN_FLAGS@@
 # Written by a node that received the preemption signal (its workers then checkpoint and exit).
 export PODTRAIN_PREEMPT_MARKER="$RUN_DIR/logs/preempted-$SLURM_JOB_ID"
 rm -f "$PODTRAIN_PREEMPT_MARKER"
+# Each rank's exit code and one line (podtrain.launch.exit_report): torchrun exits 1 whatever its
+# workers' codes, and a storage outage (203) must be told apart from a crash to be retried.
+export PODTRAIN_EXIT_REPORT_DIR="$RUN_DIR/logs/exit-$SLURM_JOB_ID"
+rm -rf "$PODTRAIN_EXIT_REPORT_DIR" && mkdir -p "$PODTRAIN_EXIT_REPORT_DIR"
 
 # srun --auto-resume exists on SageMaker HyperPod only: decided here, when the job runs.
 AUTO_RESUME=""
@@ -92,7 +96,16 @@ rc=0
 # one core), and torchrun's workers inherit that binding; OMP_NUM_THREADS shares the node instead.
 srun $AUTO_RESUME --kill-on-bad-exit=1 --cpu-bind=none @@SRUN_EXTRA@@bash "$PODTRAIN_NODE_SCRIPT" || rc=$?
 # (Exit 0 despite the signal means training had finished: nothing to resume.)
+RESUMABLE=0
 if [ "$rc" -ne 0 ] && [ -e "$PODTRAIN_PREEMPT_MARKER" ]; then
   echo "podtrain: stopped by the preemption signal after a checkpoint (exit $rc)"
+  RESUMABLE=1
+elif [ "$rc" -ne 0 ] && [ "$(python3 -m podtrain.launch.exit_report "$PODTRAIN_EXIT_REPORT_DIR" 2>/dev/null || true)" = 203 ]; then
+  # A storage outage that outlasted the retries (podtrain.errors.STORAGE_OUTAGE_EXIT_CODE): retried
+  # like a preemption; the job's code is 203 (RequeueExit=203 in slurm.conf works as well).
+  echo "podtrain: stopped by a storage outage that outlasted the retries (exit 203); the last checkpoint is kept"
+  rc=203 RESUMABLE=1
+fi
+if [ "$RESUMABLE" = 1 ]; then
 @@AFTER_PREEMPTION@@fi
 exit "$rc"
