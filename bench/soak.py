@@ -1,4 +1,5 @@
-"""Soak: a 2-rank run survives kill -9, SIGTERM, a corrupted checkpoint and a full disk, bit-exactly.
+"""Soak: a 2-rank run survives kill -9, SIGTERM, a corrupted checkpoint, a full disk and an S3
+outage, bit-exactly.
 
     python bench/soak.py --minutes 10
 
@@ -13,6 +14,11 @@ every fault (`podtrain launch local CONFIG --nproc 2`, auto-resume) until it fin
           one line naming the culprit, exit 2; the soak frees the space;
 * corrupt before a relaunch, bytes in the second half of the newest checkpoint's largest data file
           are inverted: resume must detect it and fall back to the checkpoint before.
+
+After the rounds, the S3 round (``bench/soak_s3.py``, ``--s3-outage-s``, 150 s by default):
+checkpoints on a local S3 server behind a fault proxy, throttled, through an outage the run must
+train through, then an outage past ``ckpt.max_outage_s`` that must end with exit 203 and a rerun
+that must resume; both must end with the reference's weights and losses.
 
 Every round has each fault once (``--kinds``), in random order (corrupt before a random relaunch).
 The plan is drawn when the round starts, so ``--seed`` replays it whatever the machine's speed; kill
@@ -418,6 +424,16 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() + (time.monotonic() - t0) > deadline:
                 break
         figures, problems = summary(soak, ref, time.monotonic() - start)
+        if args.s3_outage_s > 0:
+            from soak_s3 import s3_round
+
+            s3 = s3_round(soak, data, ref, args.s3_outage_s)
+            print("soak: S3 round: " + ", ".join(f"{k} {v}" for k, v in s3.items() if k != "problems"), flush=True)
+            for problem in s3["problems"]:
+                print(f"soak: S3 round: {problem}", flush=True)
+            figures["s3"] = s3
+            figures["ok"] = figures["ok"] and not s3["problems"]
+            problems = [*problems, *s3["problems"]]
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         print(f"soak: error: {err}", file=sys.stderr)
         return 2

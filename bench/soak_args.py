@@ -29,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reference", type=Path, metavar="RUN_DIR",
                    help="a finished uninterrupted run of the same config (--steps, --ckpt-every, --set; "
                         "ckpt.keep_last aside) to compare with, instead of running one")
+    p.add_argument("--s3-outage-s", type=float, default=150.0,
+                   help="after the rounds, the S3 round (bench/soak_s3.py): checkpoints on a local S3 server "
+                        "behind a fault proxy, throttled, with an outage of this many seconds, then an outage "
+                        "past ckpt.max_outage_s (exit 203) and a rerun; 0 skips it (default 150)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, exports)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated fault kinds of every round (default {','.join(KINDS)})")

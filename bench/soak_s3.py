@@ -56,10 +56,10 @@ class _Director(threading.Thread):
         self.proxy, self.run_dir, self.start_step, self.seconds = proxy, run_dir, start, seconds
         self.began: float | None = None
         self.ended: float | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._halt.wait(0.1):
             if self.began is None:
                 if max((r["step"] for r in _train_records(self.run_dir)), default=0) >= self.start_step:
                     self.proxy.outage(True)
@@ -70,7 +70,7 @@ class _Director(threading.Thread):
                 return
 
     def finish(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(5)
         self.proxy.outage(False)
         if self.began is not None and self.ended is None:

@@ -159,3 +159,14 @@ def test_the_rank_killed_first_is_named_not_the_ranks_that_failed_or_were_stoppe
         assert code == 1 and "rank 0 failed with exit code 1: RuntimeError: boom" in err, err
     with pytest.raises(UserError, match="data.path"):
         verdict(tmp_path, capsys, torchrun_summary((1, -9, 34)), {0: ExitReport(0, 2, "data.path /x is missing")})
+
+
+def test_a_storage_outage_ends_the_job_with_203_and_its_own_line(tmp_path, capsys):
+    """Every rank exited 203 (podtrain's retryable code): the job's code is 203 and the line names
+    the outage and how to resume, not "stopped by exit 203" as for a signal."""
+    message = "s3://b/ckpt: no checkpoint could be saved for 1900 s (ckpt.max_outage_s=1800)"
+    reports = {r: ExitReport(rank=r, code=203, message=message, step=40) for r in (0, 1)}
+    code, err = verdict(tmp_path, capsys, torchrun_summary((0, 203, 1), (1, 203, 1)), reports)
+    assert code == 203
+    assert err.strip() == (f"podtrain: error: {message} (exit 203: retryable; run the same command again, "
+                           "or let the scheduler requeue it, to resume)")

@@ -54,7 +54,7 @@ def test_soak_every_fault_survived_and_weights_bit_identical(repo, tmp_path, res
     done = subprocess.run([sys.executable, str(repo / "bench/soak.py"), "--minutes", str(SOAK_MINUTES),
                            "--steps", str(SOAK_STEPS), "--ckpt-every", str(SOAK_CKPT_EVERY),
                            "--data", str(data), "--kinds", SOAK_KINDS, "--seed", str(SOAK_SEED),
-                           "--json", str(figures_path), "--attempt-timeout", "240",
+                           "--json", str(figures_path), "--attempt-timeout", "240", "--s3-outage-s", "0",
                            "--reference", str(resume_golden["run_dir"]), *same_config],
                           cwd=repo, capture_output=True, text=True, timeout=900)
     assert figures_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]

@@ -26,9 +26,9 @@ from multirank import run_ranks
 from s3_fault_proxy import s3_proxy  # noqa: F401 (fixture)
 from synthetic_data import make_data_dir
 
-STEPS = 36
-OUTAGE_FROM, OUTAGE_UNTIL, OUTAGE_S = 4, 24, 6.0
-"""The outage starts when step 4 is logged and ends once step 24 is logged and 6 s have passed."""
+STEPS = 60
+OUTAGE_FROM, OUTAGE_UNTIL, OUTAGE_S = 4, 24, 4.0
+"""The outage starts when step 4 is logged and ends once step 24 is logged and 4 s have passed."""
 
 
 def _common(data: Path) -> list[str]:
@@ -84,18 +84,21 @@ class OutageDirector(threading.Thread):
     """Watches a run's metrics and drives the proxy: the outage from step ``start`` until step
     ``until`` is logged and ``min_s`` have passed (``until=None``: never ends); records when."""
 
-    def __init__(self, proxy, run_dir: Path, start: int, until: int | None, min_s: float):
+    def __init__(self, proxy, run_dir: Path, start: int, until: int | None, min_s: float, committed=None):
+        """``committed``: a callable that says whether a checkpoint is committed yet; the outage
+        then waits for one as well (the rerun must have something to resume)."""
         super().__init__(daemon=True)
         self.proxy, self.run_dir, self.start_step, self.until, self.min_s = proxy, run_dir, start, until, min_s
+        self.committed = committed or (lambda: True)
         self.began: float | None = None
         self.ended: float | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(0.05):
+        while not self._halt.wait(0.05):
             steps = [r["step"] for r in _records(self.run_dir, "train")]
             last = max(steps, default=0)
-            if self.began is None and last >= self.start_step:
+            if self.began is None and last >= self.start_step and self.committed():
                 self.proxy.outage(True)
                 self.began = time.time()
             elif (self.began is not None and self.ended is None and self.until is not None
@@ -105,13 +108,16 @@ class OutageDirector(threading.Thread):
                 return
 
     def finish(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(5)
         self.proxy.outage(False)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, repo):
+def reference(tmp_path_factory):
     """The same run without faults, checkpoints on local disk."""
     from podtrain.model import preset_config
 
@@ -119,7 +125,7 @@ def reference(tmp_path_factory, repo):
     root = tmp_path_factory.mktemp("outage")
     data = make_data_dir(root / "data", shard_tokens=(6000,), val_tokens=300)
     run_dir = root / "reference"
-    assert _train(repo, _common(data) + [f"run.dir={run_dir}"]) == [0, 0]
+    assert _train(REPO, _common(data) + [f"run.dir={run_dir}"]) == [0, 0]
     return {"data": data, "losses": _losses(run_dir), "weights": _final_weights(run_dir)}
 
 
@@ -153,18 +159,23 @@ def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference,
 
     committed = [s for s, _ in layout.list_checkpoints(url)]
     after = max(r["step"] for r in train if r["time"] <= director.ended)
-    assert any(s > after for s in committed) and STEPS in committed  # saved again after the outage
+    timeline = (committed, after, director.began, director.ended, [(r["step"], r["time"]) for r in train][::4],
+                [(s["step"], s["skipped"], s["time"]) for s in saves])
+    assert any(s > after for s in committed) and STEPS in committed, timeline  # saved again after the outage
     assert s3_proxy.stats()["failed"] > 0
     _assert_same_as(reference, run_dir)
 
 
 def test_an_outage_past_max_outage_s_stops_with_the_retryable_code_and_a_rerun_resumes(
-        reference, s3_proxy, s3_bucket, tmp_path, repo):
+        reference, s3_proxy, s3_server, s3_bucket, tmp_path, repo):
     from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE
 
     url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
     overrides = _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}", "ckpt.max_outage_s=3"]
-    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, None, 0.0)
+    def committed() -> bool:  # asked of the server itself, not through the proxy
+        return any(key.endswith("/manifest.json") for key in s3_server.keys(s3_bucket))
+
+    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, None, 0.0, committed)
     director.start()
     try:
         codes = _train(repo, overrides)
@@ -176,7 +187,7 @@ def test_an_outage_past_max_outage_s_stops_with_the_retryable_code_and_a_rerun_r
     stopped_at = max(r["step"] for r in _records(run_dir, "train"))
     assert stopped_at < STEPS
     newest = max(s for s, _ in layout.list_checkpoints(url))
-    assert newest <= OUTAGE_FROM
+    assert newest < stopped_at
     assert _train(repo, overrides) == [0, 0]  # the scheduler's retry
     segments = _records(run_dir, "segment")
     assert segments[-1]["step"] == newest  # resumed from the last good checkpoint

@@ -63,7 +63,10 @@ from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import unwrap
 from podtrain.storage.errors import Transient
+from podtrain.storage.retry import RetryPolicy
 
+LEASE_RETRY_S = 10.0
+"""The storage retry budget of one lease operation (a renewal, the release)."""
 ABANDON_WAIT_S = 30.0
 """How long an abandoned save may take to notice (its current request's own timeout)."""
 
@@ -175,9 +178,11 @@ class Checkpointer:
         """Rank 0: the run's identity, then its leases (run directory and checkpoint location)."""
         configured = layout.ckpt_url(self.run_dir, self.cfg.dir)
         identity = lineage.establish(self.run_dir, configured, fresh_start=self.cfg.resume == "never")
-        stores = [open_store(str(self.run_dir))]
+        # The lease is best effort during an outage (a renewal that fails is tried again at the
+        # next one): short retries, so that neither a renewal nor the release at exit waits long.
+        stores = [open_store(str(self.run_dir), retry=RetryPolicy(budget_s=LEASE_RETRY_S))]
         if not _inside(identity.ckpt_url, self.run_dir):
-            stores.append(open_store(identity.ckpt_url))
+            stores.append(open_store(identity.ckpt_url, retry=RetryPolicy(budget_s=LEASE_RETRY_S)))
         self._lease = Lease(stores, identity.lineage, self.ctx.env.job_id, self.ctx.env.hostname,
                             self.cfg.lease_timeout_s)
         self._lease.acquire()
@@ -298,6 +303,8 @@ class Checkpointer:
         try:
             manifest = layout.read_manifest(self.local, name)
             files = {f"{name}/{rel}": read_small(self.local, name, manifest, rel) for rel in local_tier.SMALL_FILES}
+        except Transient:  # an outage is not a bad checkpoint: never skip one for it
+            raise
         except (ValueError, StorageError) as exc:
             log.warning("local checkpoint %s/%s is not usable: %s", self.local.url, name, exc)
             return None
@@ -500,7 +507,9 @@ class Checkpointer:
         if done:
             self._finish(job)
         if outage > self.cfg.max_outage_s and (not done or self._outage_since is not None):
-            self.abandon()
+            self.abandon()  # the save in flight gives up at its next retry: nothing of it commits
+            if self._pending is not None and self._pending.done.wait(ABANDON_WAIT_S):
+                self._pending = None  # accounted for here: close() must not report it again
             raise StorageOutage(self.store.url, (
                 f"no checkpoint could be saved for {outage:.0f} s (ckpt.max_outage_s={self.cfg.max_outage_s:g}): "
                 f"the storage is unreachable; stopping with exit code {StorageOutage.exit_code} so that the "

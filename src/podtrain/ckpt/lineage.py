@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain.ckpt import layout
+from podtrain.storage.errors import Transient
 from podtrain.ckpt.store import NotFound, StorageError, open_store
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -76,6 +77,8 @@ def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None
 
     try:
         run_id = peek_train_state(store, name, manifest).get("run_id")
+    except Transient:  # an outage is not a bad checkpoint: never skip one for it
+        raise
     except (ValueError, KeyError, StorageError, OSError):
         return None
     return str(run_id) if run_id else None
@@ -102,6 +105,8 @@ def owner_of(store) -> dict[str, Any] | None:
     for step, name in reversed(layout.committed_steps(store)):
         try:
             manifest = layout.read_manifest(store, name)
+        except Transient:  # an outage is not a bad checkpoint: never skip one for it
+            raise
         except (ValueError, StorageError):
             continue
         lineage = checkpoint_lineage(store, name, manifest)

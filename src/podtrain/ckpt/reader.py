@@ -25,6 +25,7 @@ from torch import nn
 from podtrain.ckpt import layout
 from podtrain.ckpt.load import piece_index, read_small
 from podtrain.ckpt.state import from_plain
+from podtrain.storage.errors import Transient
 from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, verify_blocks
 from podtrain.data.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -145,6 +146,8 @@ def load_step(run_dir: str | os.PathLike, step: int) -> CheckpointData:
     if manifest is not None:
         try:
             return read_checkpoint(store, name, manifest, optimizer=False)
+        except Transient:  # an outage is not a bad checkpoint: never skip one for it
+            raise
         except (CorruptCheckpoint, StorageError) as exc:
             why = str(exc)
     steps = [s for s, _ in layout.committed_steps(store)]
@@ -257,6 +260,8 @@ def verify(path: str | os.PathLike) -> Verdict:
         return Verdict(False, reason)
     try:
         read_checkpoint(store, path.name, manifest)
+    except Transient:  # an outage is not a bad checkpoint: never skip one for it
+        raise
     except (CorruptCheckpoint, OSError, EOFError, StorageError) as exc:
         return Verdict(False, str(exc))
     return Verdict(True)

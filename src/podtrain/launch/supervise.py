@@ -22,7 +22,7 @@ from pathlib import Path
 
 from podtrain.ckpt.layout import list_checkpoints, run_ckpt_url, step_name
 from podtrain.distributed.watchdog import HANG_EXIT_CODE
-from podtrain.errors import USER_ERROR_EXIT_CODE, UserError
+from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from podtrain.launch.exit_report import ExitReport, job_exit, torchrun_exit_codes
 
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -78,6 +78,10 @@ def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
     elif code == USER_ERROR_EXIT_CODE:
         raise UserError(report.message if report is not None and report.message else
                         f"a rank stopped with a user error; see {where}")
+    elif code == STORAGE_OUTAGE_EXIT_CODE:
+        reason = report.message if report is not None and report.message else "the storage was unreachable"
+        print(f"podtrain: error: {reason} (exit {code}: retryable; run the same command again, or let the "
+              "scheduler requeue it, to resume)", file=sys.stderr)
     elif code >= 128:
         print(f"podtrain: {stop_line(run_dir, code, reports)}", file=sys.stderr)
     elif code == HANG_EXIT_CODE:
