@@ -6,7 +6,7 @@ import torch
 
 from multirank import run_ranks
 from podtrain.data.loader import ShardedLoader
-from podtrain.data.samples import epoch_permutation, validation_ids
+from podtrain.data.samples import KeyedOrder, shuffled_permutation, validation_ids
 from podtrain.data.manifest import read_manifest
 from podtrain.errors import UserError
 from synthetic_data import make_data_dir
@@ -50,7 +50,7 @@ def test_every_sample_exactly_once_per_epoch(tmp_path, world, workers):
     assert all(r[1] for r in results)
     assert results[0][2]["consumed"] == steps * GLOBAL and results[0][2]["epoch"] == 1
     # the tail of the last step is the start of epoch 1's order: nothing dropped, nothing padded
-    assert stream[n:].tolist() == epoch_permutation(n, 5, 1)[:steps * GLOBAL - n].tolist()
+    assert stream[n:].tolist() == KeyedOrder(n, 5).ids(n, steps * GLOBAL - n).tolist()
 
 
 def run_segment(rank, world, data, state, steps):
@@ -73,12 +73,6 @@ def test_resume_with_other_world_sizes_continues_exactly(tmp_path):
     c = run_ranks(run_segment, 3, data, b[0][1], 12)
     assert global_sequence(a) + global_sequence(b) + global_sequence(c) == full
     assert c[0][1]["consumed"] == 30 * GLOBAL
-
-
-def test_epochs_differ_and_seed_repeats():
-    assert not np.array_equal(epoch_permutation(500, 1, 0), epoch_permutation(500, 1, 1))
-    assert np.array_equal(epoch_permutation(500, 1, 3), epoch_permutation(500, 1, 3))
-    assert not np.array_equal(epoch_permutation(500, 1, 0), epoch_permutation(500, 2, 0))
 
 
 def test_validation_split_disjoint_without_padding():
@@ -189,3 +183,37 @@ def test_a_resume_past_the_end_of_another_datasets_epoch_is_refused(tmp_path):
     ld = loader(small, 0, 1)
     ld.load_state_dict(state)
     assert ld.consumed == 3
+
+
+def test_a_checkpoint_from_before_the_order_was_named_resumes_in_its_own_order(tmp_path):
+    data = make_data_dir(tmp_path / "d")
+    fresh = loader(data, 0, 1)
+    n = fresh.samples_per_epoch
+    assert fresh.state_dict()["order"] == "feistel-1"
+    old = {k: v for k, v in fresh.state_dict().items() if k != "order"}  # as podtrain wrote it before
+    old["consumed"] = n - 30  # the resumed steps straddle an epoch boundary
+    shuffled = np.concatenate([shuffled_permutation(n, 5, 0), shuffled_permutation(n, 5, 1)])
+    expected = shuffled[n - 30:n - 30 + 3 * GLOBAL].tolist()
+    assert KeyedOrder(n, 5).ids(n - 30, 3 * GLOBAL).tolist() != expected  # the new order would re-order it
+    for state in (old, {"consumed": n - 30, "samples_per_epoch": n, "seed": 5}):  # with and before data.mix
+        ld = loader(data, 0, 1, state=state)
+        assert [i for _ in range(2) for i in ld.next().sample_ids.tolist()] == expected[:2 * GLOBAL]
+        ld.close()
+        saved = ld.state_dict()
+        assert saved["order"] == "pcg64-shuffle"  # and its next checkpoint says so
+        again = loader(data, 0, 1, state=saved)
+        again.load_state_dict({"consumed": saved["consumed"]})  # the guard's skip keeps the order
+        assert again.next().sample_ids.tolist() == expected[2 * GLOBAL:]
+        again.close()
+
+
+def test_a_checkpoint_in_an_order_this_podtrain_does_not_know_is_refused_in_one_line(tmp_path):
+    data = make_data_dir(tmp_path / "d")
+    state = dict(loader(data, 0, 1).state_dict(), order="feistel-9")
+    with pytest.raises(UserError) as err:
+        loader(data, 0, 1, state=state)
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("the checkpoint's data order 'feistel-9' is not one this podtrain knows "
+                                     "(feistel-1, pcg64-shuffle)")
+    assert str(err.value).endswith("finish the run with the podtrain that wrote it, or branch with "
+                                   "ckpt.resume_from=CHECKPOINT ckpt.resume_from_reset=[data] in a new run.dir")

@@ -9,7 +9,7 @@ import pytest
 from podtrain.data.loader import ShardedLoader
 from podtrain.data.mixture import (Blend, MixOrder, SourceSpec, integer_weights, ledger_line, parse_mix,
                                    restore_blend)
-from podtrain.data.samples import GlobalOrder, epoch_permutation
+from podtrain.data.samples import KeyedOrder, permute, shuffled_permutation
 from podtrain.data.sources import DataSources
 from podtrain.errors import UserError
 from synthetic_data import make_data_dir
@@ -46,21 +46,21 @@ def test_integer_weights_are_exact_as_typed_and_bounded():
 
 def test_each_source_keeps_its_own_exactly_once_order_and_chunks_do_not_matter():
     sizes, seed = [7, 5], 3
-    order = MixOrder([GlobalOrder(n, seed) for n in sizes], Blend([3, 1]), seed)
+    order = MixOrder([KeyedOrder(n, seed) for n in sizes], Blend([3, 1]), seed)
     stream = order.ids(0, 120)
     chunked = np.concatenate([order.ids(s, c) for s, c in ((0, 13), (13, 50), (63, 57))])
     assert stream.tolist() == chunked.tolist()  # any world size cuts the same stream
     heavy, light = stream[stream < 7], stream[stream >= 7] - 7
     assert len(heavy) == 90 and len(light) == 30
     for e in range(90 // 7):  # the up-weighted source repeats whole epochs, each exactly once
-        assert heavy[7 * e:7 * e + 7].tolist() == epoch_permutation(7, seed, e).tolist()
+        assert heavy[7 * e:7 * e + 7].tolist() == permute(np.arange(7, dtype=np.uint64), 7, seed, e).tolist()
     for e in range(30 // 5):  # the down-weighted one goes on where it stopped
-        assert light[5 * e:5 * e + 5].tolist() == epoch_permutation(5, seed, e).tolist()
+        assert light[5 * e:5 * e + 5].tolist() == permute(np.arange(5, dtype=np.uint64), 5, seed, e).tolist()
 
 
 def test_one_source_is_the_single_dataset_order():
-    order = MixOrder([GlobalOrder(11, 5)], Blend([1.0]), 5)
-    assert order.ids(3, 30).tolist() == GlobalOrder(11, 5).ids(3, 30).tolist()
+    order = MixOrder([KeyedOrder(11, 5)], Blend([1.0]), 5)
+    assert order.ids(3, 30).tolist() == KeyedOrder(11, 5).ids(3, 30).tolist()
 
 
 def test_resume_continues_the_segment_and_a_changed_mix_continues_from_the_ledger():
@@ -124,6 +124,27 @@ def test_loader_ledger_and_resume_at_another_world_size(tmp_path):
     assert pair[0].state_dict()["ledger"] == state["ledger"]
     for ld in pair:
         ld.close()
+
+
+def test_an_old_order_mix_checkpoint_continues_each_source_in_its_shuffled_order(tmp_path):
+    a = make_data_dir(tmp_path / "a", shard_tokens=(800,))
+    b = make_data_dir(tmp_path / "b", shard_tokens=(300,))
+    sizes = [49, 18]  # (tokens - 1) // 16
+    state = _mix_loader([a, b], [3, 1], 0, 1).state_dict()
+    state.pop("order")  # as podtrain wrote it before the order was named
+    state.update(consumed=40, ledger={"a": {"samples": 30}, "b": {"samples": 10}})
+    for weights in ([3, 1], [1, 1]):  # the same segment, and a curriculum from the ledger
+        ld = _mix_loader([a, b], weights, 0, 1, dict(state, mix=dict(state["mix"], weights={"a": 3.0, "b": 1.0})))
+        ids = np.concatenate([ld.next().sample_ids for _ in range(8)])
+        ld.close()
+        assert ld.state_dict()["order"] == "pcg64-shuffle"
+        taken = ld.order.blend.counts(ld.consumed) - np.asarray([30, 10])
+        for i, (n, k) in enumerate(zip(sizes, taken)):
+            mine = ids[(ids >= sum(sizes[:i])) & (ids < sum(sizes[:i + 1]))] - sum(sizes[:i])
+            stream = np.concatenate([shuffled_permutation(n, 5, e) for e in range(3)])
+            start = 30 if i == 0 else 10
+            assert mine.tolist() == stream[start:start + k].tolist(), (weights, i)
+            assert mine.tolist() != KeyedOrder(n, 5).ids(start, int(k)).tolist()
 
 
 def test_a_changed_mix_on_resume_is_refused_unless_allowed(caplog):

@@ -8,7 +8,10 @@ The model of the data (one picture to hold in your head):
   every token is a target once, and a window may cross a shard edge.
   Documents are packed: EOS separates them and a window may span two documents.
 * All epochs form one **stream**: stream position ``p`` holds sample ``perm(seed, e)[p % N]``
-  with ``e = p // N``, where ``perm`` is a permutation that is a pure function of (seed, epoch).
+  with ``e = p // N``, where ``perm`` is a permutation that is a pure function of (seed, epoch):
+  a keyed bijection of ``[0, N)`` computed for the positions of each batch (``data/samples.py``),
+  so no rank holds an epoch's order. The state records the order's name (``order``): a
+  checkpoint from before it continues in the order it was made with, never re-ordered.
 * Optimizer step ``s`` consumes the next ``global_batch_size`` stream positions. Rank ``r`` takes
   the ``r``-th contiguous slice of ``global_batch_size / world_size`` of them and cuts it into
   micro-batches. So the loader's whole state is the number of stream positions consumed: it does
@@ -26,6 +29,7 @@ A read that fails in either (a ``UserError``, or a storage outage that outlasted
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -38,9 +42,11 @@ import torch
 
 from podtrain.data.manifest import Manifest
 from podtrain.data.mixture import Blend, MixOrder, ledger, parse_mix, restore_blend, segment_state
-from podtrain.data.samples import GlobalOrder, SampleIndex
+from podtrain.data.samples import ORDER, ORDERS, SHUFFLE_ORDER, SampleIndex, source_orders
 from podtrain.data.sources import DataSources, MixedIndex
 from podtrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def rank_slice(global_batch: int, world_size: int, rank: int) -> slice:
@@ -128,8 +134,8 @@ class ShardedLoader:
         self.manifest = self.sources.manifest
         self.index = MixedIndex(self.sources.indexes)
         self.seq_len = seq_len
-        self._orders = [GlobalOrder(ix.num_samples, seed) for ix in self.sources.indexes]
-        self.order = MixOrder(self._orders, Blend([s.weight for s in self.sources.specs]), seed)
+        self.order_name = ORDER  # which order the sources' streams follow (``samples.ORDERS``)
+        self.order = MixOrder(self._source_orders(seed), Blend([s.weight for s in self.sources.specs]), seed)
         self.retired: dict[str, int] = {}  # sources a curriculum dropped: their frozen sample counts
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -165,7 +171,7 @@ class ShardedLoader:
                 "samples_per_epoch": self.index.num_samples, "seed": self.order.seed,
                 "mix": segment_state(names, [s.weight for s in self.sources.specs], self.order.blend),
                 "sources": {n: ix.num_samples for n, ix in zip(names, self.sources.indexes)},
-                "ledger": self.ledger(), "windows": SampleIndex.WINDOWS}
+                "ledger": self.ledger(), "windows": SampleIndex.WINDOWS, "order": self.order_name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved state (before the first ``next``); a state with only
@@ -175,12 +181,24 @@ class ShardedLoader:
                 f"run.seed is {self.order.seed} but the checkpoint's data order was made with seed "
                 f"{state['seed']}: resuming would repeat and skip samples (keep run.seed)")
         self._check_sizes(state)
+        name = saved_order(state, self.order_name)
         self.close()
         self.consumed = int(state["consumed"])
+        blend = self.order.blend
         if "mix" in state:
             blend, self.retired = restore_blend(self.sources.names, [s.weight for s in self.sources.specs],
                                                 state["mix"], state.get("ledger", {}), self.consumed)
-            self.order = MixOrder(self._orders, blend, self.order.seed)
+        orders = self.order.orders
+        if name != self.order_name:
+            log.info("data order: the checkpoint's %s order continues (it holds an epoch's order, 4 bytes "
+                     "per sample, on every rank); a new run takes %s, computed on demand", name, ORDER)
+            self.order_name = name
+            orders = self._source_orders(self.order.seed)
+        self.order = MixOrder(orders, blend, self.order.seed)
+
+    def _source_orders(self, seed: int) -> list:
+        """Each source's own stream in the order ``order_name``."""
+        return source_orders(self.order_name, [ix.num_samples for ix in self.sources.indexes], seed)
 
     def _check_sizes(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint whose sources have other sample counts (other data or seq_len)."""
@@ -296,6 +314,25 @@ class ShardedLoader:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+
+def saved_order(state: dict[str, Any], current: str) -> str:
+    """The order a saved loader state continues in: the one it names; ``SHUFFLE_ORDER`` for a
+    checkpoint written before states named it; ``current`` for a bare position (the guard's skip).
+    An order this podtrain does not know is refused in one line: resuming in another order would
+    repeat and skip samples."""
+    if "order" in state:
+        name = state["order"]
+    elif "samples_per_epoch" in state or "sources" in state:
+        name = SHUFFLE_ORDER
+    else:
+        return current
+    if name not in ORDERS:
+        raise UserError(
+            f"the checkpoint's data order {name!r} is not one this podtrain knows ({', '.join(ORDERS)}): "
+            "resuming would repeat and skip samples; finish the run with the podtrain that wrote it, or branch "
+            "with ckpt.resume_from=CHECKPOINT ckpt.resume_from_reset=[data] in a new run.dir")
+    return name
 
 
 def check_shard_windows(manifest: Manifest, index: SampleIndex, saved_samples: int) -> None:

@@ -181,10 +181,11 @@ class Blend:
 
 
 class MixOrder:
-    """Stream position -> global sample id over several sources (``GlobalOrder``'s interface).
+    """Stream position -> global sample id over several sources (a source order's interface).
 
-    ``orders`` are the sources' own orders (``loader.GlobalOrder``), ``offsets`` where each
-    source's ids begin in the global id space.
+    ``orders`` are the sources' own orders (``samples.KeyedOrder``, or ``samples.ShuffledOrder``
+    for a run resumed from before it), each a pure function of (seed, epoch, position) whatever
+    the others do; ``offsets`` where each source's ids begin in the global id space.
     """
 
     def __init__(self, orders: Sequence[Any], blend: Blend, seed: int):
