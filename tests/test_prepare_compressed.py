@@ -121,3 +121,16 @@ def test_a_directory_of_nothing_readable_says_what_it_skipped(tmp_path, capsys):
     code, err = run_cli([tmp_path / "c", "--out", tmp_path / "d"], capsys)
     assert (code, err) == (2, f"podtrain: error: {tmp_path / 'c'}: directory holds no text, .jsonl or .parquet "
                               "files (skipped 4 files: .pdf 2, .png 1, no suffix 1)")
+
+
+def test_the_skipped_kinds_of_a_real_tree_stay_one_readable_line():
+    from collections import Counter
+
+    from podtrain.data.prepare.sources import Inputs
+
+    skipped = Counter({".debian.gz": 734, "no suffix": 933, ".png": 30, **{f".k{i}": 1 for i in range(12)}})
+    assert Inputs([], skipped).skipped_line() == (
+        "skipped 1,709 files: no suffix 933, .debian.gz 734, .png 30, .k0 1, .k1 1, .k10 1, .k11 1, .k2 1, "
+        "others 7 (7 kinds)")
+    assert Inputs([], Counter({".pdf": 1})).skipped_line() == "skipped 1 file: .pdf 1"
+    assert Inputs([], Counter()).skipped_line() == ""

@@ -38,6 +38,7 @@ TEXT_SUFFIXES = frozenset({
 })
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 PARQUET_SUFFIXES = frozenset({".parquet"})
+SHOWN_KINDS = 8  # kinds of skipped files named in the summary line; the rest are summed
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,12 @@ class Inputs:
         if not self.skipped:
             return ""
         total = sum(self.skipped.values())
-        kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])))
-        return f"skipped {total:,} file{'s' if total != 1 else ''}: {kinds}"
+        ranked = sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+        kinds = [f"{k} {n:,}" for k, n in ranked[:SHOWN_KINDS]]
+        if len(ranked) > SHOWN_KINDS:  # a real tree's long tail stays one readable line
+            rest = ranked[SHOWN_KINDS:]
+            kinds.append(f"others {sum(n for _, n in rest):,} ({len(rest):,} kinds)")
+        return f"skipped {total:,} file{'s' if total != 1 else ''}: {', '.join(kinds)}"
 
 
 def _s3_sources(inp: str, skipped: Counter[str]) -> list[Source]:
