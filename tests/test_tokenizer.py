@@ -110,3 +110,28 @@ def test_hf_tokenizer_without_known_eos_is_a_user_error(tmp_path):
 def test_byte_encode_batch_is_uint8_view():
     arrs = tokmod.ByteTokenizer().encode_batch(["xyz"])
     assert arrs[0].dtype == np.uint8 and arrs[0].tolist() == [120, 121, 122]
+
+
+def test_a_tokenizer_identity_compares_by_its_hash_and_old_checkpoints_still_resume():
+    from podtrain.config import load_config
+    from podtrain.data.manifest import said_once, tokenizer_identity
+    from podtrain.train.resume import check_resume
+
+    sha = "81689b37afb4" + "0" * 52
+    trained = tokenizer_identity({"kind": "bpe", "name": "bpe:4096", "vocab_size": 4096, "sha256": sha})
+    loaded = tokenizer_identity({"kind": "hf", "name": "data/stdtest/tokenizer", "vocab_size": 4096, "sha256": sha})
+    other = tokenizer_identity({"kind": "bpe", "name": "bpe:4096", "vocab_size": 4096, "sha256": "9" * 64})
+    assert (str(trained), str(loaded)) == ("bpe:4096:81689b37afb4", "hf:data/stdtest/tokenizer:4096:81689b37afb4")
+    assert trained == loaded and not trained != loaded and hash(trained) == hash(loaded)  # one tokenizer
+    assert trained != other and loaded != "bpe:4096:999999999999"
+    assert tokenizer_identity({"kind": "byte", "name": "byte", "vocab_size": 257}) != "byte:300"  # no hash: the text
+    assert json.dumps({"tokenizer": loaded}) == '{"tokenizer": "hf:data/stdtest/tokenizer:4096:81689b37afb4"}'
+
+    cfg = load_config(None, [])
+    config = {"data": {"seq_len": cfg.data.seq_len}}
+    # Checkpoints of every podtrain so far: the same tokenizer now loaded from a path resumes.
+    for stored in ("bpe:4096:81689b37afb4", "bpe:bpe:4096:4096:81689b37afb4"):
+        check_resume({"config": config, "tokenizer": stored}, cfg, loaded, 3, "ckpt/step_3")
+        assert said_once(stored) == loaded
+    with pytest.raises(UserError, match=r"data.tokenizer was 'bpe:4096:81689b37afb4', now 'bpe:4096:999999999999'"):
+        check_resume({"config": config, "tokenizer": "bpe:4096:81689b37afb4"}, cfg, other, 3, "ckpt/step_3")

@@ -54,13 +54,17 @@ def writable_dir(path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with naming(path):
+    try:
         fd, probe = tempfile.mkstemp(prefix=".podtrain-probe-", dir=path)
         try:
             os.write(fd, b"\0")
         finally:
             os.close(fd)
             os.unlink(probe)
+    except OSError as exc:
+        # The error names the probe's made-up file (or nothing): the user's folder is what to fix.
+        exc.filename = str(path)
+        raise
     return path
 
 

@@ -19,7 +19,9 @@ The manifest (JSON)::
                 "val": {...}},              (absent when prepared with --val-fraction 0)
      "val_fraction": float, "sources": [{"input": str, "files": int, "bytes": int}, ...],
      "errors": {"policy": "strict"|"replace"|"skip", "replaced": int, "skipped": int},
-     "text_field": str, "shard_tokens": int}
+     "text_field": str, "shard_tokens": int,
+     "recipe": {"inputs": [str], "tokenizer": str, "options": {...}}}   (what a later prepare into the
+                                            same folder is compared with: data/prepare/replace.py)
 
 A document may continue from one shard into the next (shards have a fixed token count); a split
 is the concatenation of its shards in order. ``documents`` counts the EOS ids in a shard.
@@ -47,6 +49,7 @@ from podtrain.storage import NoSuchBucket, NotFound, Store, is_s3_url, open_stor
 MANIFEST_NAME = "manifest.json"
 FORMAT = "podtrain-shards/1"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DIGEST_CHARS = 12  # of a tokenizer's SHA-256 in its identity (48 bits: no collision among anyone's tokenizers)
 
 
 class RemotePath(str):
@@ -151,21 +154,66 @@ class Manifest:
             raise UserError(f"{self.root / name} is missing (tokenizer of {self.root})") from None
 
 
+class TokenizerIdentity(str):
+    """A tokenizer's short name for people (``bpe:4096:81689b37afb4``) that compares by content.
 
-def tokenizer_identity(tokenizer: dict[str, Any]) -> str:
+    A tokenizer is its content: the same ``tokenizer.json`` trained as ``bpe:4096`` or loaded from
+    ``data/web/tokenizer`` is one tokenizer. So two identities are equal when their hashes (the
+    last part, 12 hex digits of the tokenizer file's SHA-256) are; kind, name and vocabulary are
+    display only. An identity without a hash (a hand-written manifest) compares as its text.
+    It is a ``str`` so that it is stored in checkpoints and printed as the plain text; and since
+    the comparison lives in ``==`` itself, a checkpoint's stored identity (any podtrain's format,
+    read back through ``said_once``) compares with this run's by content wherever it is compared
+    (train/resume.py's ``check_resume``).
+    """
+
+    @property
+    def content(self) -> str:
+        """What equality compares: the hash, or the whole text when there is none."""
+        last = self.rsplit(":", 1)[-1]
+        return f"sha256:{last}" if _is_digest(last) else str(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, str):
+            return NotImplemented
+        return self.content == TokenizerIdentity(other).content
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(self.content)
+
+
+def _is_digest(text: str) -> bool:
+    return len(text) == DIGEST_CHARS and all(c in "0123456789abcdef" for c in text)
+
+
+def tokenizer_identity(tokenizer: dict[str, Any]) -> TokenizerIdentity:
     """A short, comparable name of a data manifest's tokenizer: kind, name, vocabulary, hash
     (``bpe:4096:1f2e...``, ``hf:gpt2:50257:...``: a name that repeats the kind or the vocabulary,
-    as ``bpe:4096`` does, is not said twice)."""
-    digest = str(tokenizer.get("sha256") or "")[:12]
+    as ``bpe:4096`` does, is not said twice); it compares by the hash (``TokenizerIdentity``)."""
+    digest = str(tokenizer.get("sha256") or "")[:DIGEST_CHARS]
     return said_once(f"{tokenizer.get('kind')}:{tokenizer.get('name')}:{tokenizer.get('vocab_size')}"
                      + (f":{digest}" if digest else ""))
 
 
-def said_once(identity: str) -> str:
+def said_once(identity: str) -> TokenizerIdentity:
     """``bpe:bpe:4096:4096:ab`` -> ``bpe:4096:ab``: repeated neighbours dropped (applied to a
-    checkpoint's stored identity too, which older podtrain wrote with the repeats)."""
+    checkpoint's stored identity too, which older podtrain wrote with the repeats); the result
+    compares by content (``TokenizerIdentity``)."""
     parts = identity.split(":")
-    return ":".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+    return TokenizerIdentity(":".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]))
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two manifests' tokenizers make the same ids: the same tokenizer file (SHA-256) and
+    EOS id; where a manifest records no hash, the same kind, name, vocabulary and EOS id."""
+    if a.get("sha256") and b.get("sha256"):
+        return (a["sha256"], a.get("eos_id")) == (b["sha256"], b.get("eos_id"))
+    keys = ("kind", "name", "vocab_size", "eos_id", "sha256")
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
 def read_manifest(data_dir: str | Path) -> Manifest:

@@ -1,38 +1,54 @@
 """The prepared datasets one run reads: ``data.path``, or every source of ``data.mix``.
 
 ``DataSources`` opens each source's manifest, refuses sources prepared with different tokenizers
-(one line naming both), checks the ids against the model's vocabulary and cuts each split into
+(one line naming both and the command that fixes it), checks the ids against the model's vocabulary and cuts each split into
 samples (``SampleIndex``). ``MixedIndex`` lays the sources' samples end to end in one global id
 space, which the blend (``data/mixture.py``) draws from.
 """
 
 from __future__ import annotations
 
+import shlex
 from typing import Sequence
 
 import numpy as np
 
 from podtrain.data.cache import CacheSpec
-from podtrain.data.manifest import MANIFEST_NAME, Manifest, check_vocab, read_manifest, tokenizer_identity, \
-    verify_shards
+from podtrain.data.manifest import MANIFEST_NAME, Manifest, check_vocab, read_manifest, same_tokenizer, \
+    tokenizer_identity, verify_shards
 from podtrain.data.mixture import SourceSpec, parse_mix
 from podtrain.data.samples import SampleIndex
 from podtrain.distributed.env import ClusterEnv
 from podtrain.errors import UserError
 
-# The manifest's tokenizer fields that must agree between sources (files may live elsewhere).
-_TOKENIZER_KEYS = ("kind", "name", "vocab_size", "eos_id", "sha256")
-
 
 def check_one_tokenizer(specs: Sequence[SourceSpec], manifests: Sequence[Manifest]) -> None:
-    """Refuse sources prepared with different tokenizers, naming both sources and tokenizers."""
+    """Refuse sources prepared with different tokenizers (by content: ``same_tokenizer``), naming
+    both sources and tokenizers and the command that prepares the second with the first's."""
     first = manifests[0].tokenizer
     for spec, manifest in zip(specs[1:], manifests[1:]):
-        if any(manifest.tokenizer.get(k) != first.get(k) for k in _TOKENIZER_KEYS):
+        if not same_tokenizer(manifest.tokenizer, first):
             raise UserError(
                 f"data.mix: {specs[0].path} was prepared with tokenizer {tokenizer_identity(first)} but "
                 f"{spec.path} with {tokenizer_identity(manifest.tokenizer)}: every source must use one "
-                "tokenizer (prepare them again with the same --tokenizer)")
+                f"tokenizer; prepare {spec.path} again with {specs[0].path}'s: "
+                f"`{reprepare_command(manifest, specs[0].path)}`")
+
+
+def reprepare_command(manifest: Manifest, tokenizer_from: str) -> str:
+    """The ``podtrain prepare`` command that remakes ``manifest``'s dataset (its inputs, split, text
+    field and --errors policy) with the tokenizer of the dataset ``tokenizer_from``, replacing it
+    (``--force``). The inputs are as its manifest records them (relative to where it was made)."""
+    raw = manifest.raw
+    inputs = [str(s["input"]) for s in raw.get("sources") or []] or ["INPUT..."]
+    words = ["podtrain", "prepare", *inputs, "--out", str(manifest.root), "--tokenizer", tokenizer_from]
+    if raw.get("val_fraction") is not None:
+        words += ["--val-fraction", f"{raw['val_fraction']:g}"]
+    if raw.get("text_field", "text") != "text":
+        words += ["--text-field", str(raw["text_field"])]
+    if (raw.get("errors") or {}).get("policy", "strict") != "strict":
+        words += ["--errors", str(raw["errors"]["policy"])]
+    return " ".join(w if w == "INPUT..." else shlex.quote(w) for w in words) + " --force"
 
 
 class MixedIndex:

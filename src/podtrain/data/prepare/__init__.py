@@ -8,7 +8,11 @@ The package, in pipeline order:
 - ``cli``: the ``podtrain prepare`` flags, the options they map to, and the summary line.
 - ``pipeline``: the options, the run itself (resume, locking, cleanup on error) and the manifest
   it writes last.
-- ``sources``: INPUTs (files, directories, globs, ``builtin``) to an ordered list of source files.
+- ``replace``: the dataset already at the output, which another recipe must not replace silently.
+- ``reuse``: ``--tokenizer DATA_DIR``, the tokenizer of a dataset already prepared.
+- ``sources``: INPUTs (files, directories, globs, ``builtin``) to an ordered list of source files,
+  and the count of the files skipped; ``compression``: ``.gz``/``.bz2``/``.xz``/``.zst`` read as
+  they stream.
 - ``builtin``: the built-in corpus (this interpreter's standard-library sources).
 - ``readers``: sources cut into tasks of ~chunk_bytes of raw input (``TextItem``, ``JsonlItem``,
   ``RowsItem``).

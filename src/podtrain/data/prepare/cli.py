@@ -6,28 +6,26 @@ The work itself is ``pipeline.prepare``; this module only translates between arg
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 from pathlib import Path
 
-from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.data.prepare.pipeline import (DEFAULT_BPE_TRAIN_BYTES, DEFAULT_CHUNK_BYTES,
                                             DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ERROR_POLICIES,
                                             PrepareOptions, PrepareResult, prepare, train_tokenizer)
 from podtrain.data.prepare.parts import choose_part
 from podtrain.data.prepare.sources import is_s3
-from podtrain.data.tokenizer import TOKENIZER_FILE
 from podtrain.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``podtrain prepare``."""
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="text files, directories, globs, .jsonl, .parquet, or `builtin`")
+                        help="text files, directories, globs, .jsonl, .parquet (text and .jsonl also "
+                        ".gz/.bz2/.xz/.zst), s3:// prefixes, or `builtin`")
     parser.add_argument("--out", required=True, metavar="DATA_DIR", help="a folder or an s3:// prefix")
     parser.add_argument("--tokenizer", default="byte",
-                        help="byte (default), bpe:VOCAB (trained here), or a tokenizer.json / folder / hub name")
+                        help="byte (default), bpe:VOCAB (trained here), a prepared DATA_DIR (reuses its "
+                        "tokenizer: how sources to mix share one), or a tokenizer.json / folder / hub name")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help=f"share of documents held out for validation (default {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--text-field", default="text", help="JSONL key / Parquet column holding the text")
@@ -46,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eos-token", default=None, help="EOS token of a Hugging Face tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--force", action="store_true",
-                        help="replace DATA_DIR even when it holds data made with another tokenizer")
+                        help="replace DATA_DIR even when it holds another dataset (other inputs, "
+                        "tokenizer or options)")
     parser.add_argument("--num-parts", type=int, default=1, metavar="N",
                         help="prepare one of N parts of the inputs (then `podtrain prepare merge DATA_DIR`)")
     parser.add_argument("--part", type=int, default=None, metavar="I",
@@ -65,7 +64,7 @@ def options_from_args(args: argparse.Namespace) -> PrepareOptions:
                           shard_tokens=args.shard_tokens, chunk_bytes=args.chunk_bytes,
                           workers=args.workers, builtin_bytes=args.builtin_bytes,
                           bpe_train_bytes=args.bpe_train_bytes, eos_token=args.eos_token,
-                          progress=False if args.no_progress else None)
+                          progress=False if args.no_progress else None, force=args.force)
 
 
 def summary(result: PrepareResult) -> str:
@@ -81,15 +80,14 @@ def summary(result: PrepareResult) -> str:
     err = m.get("errors", {})
     errs = f", {err.get('replaced', 0)} replaced / {err.get('skipped', 0)} skipped (undecodable)" \
         if err.get("replaced") or err.get("skipped") else ""
+    skipped = f"; {result.skipped_files}" if result.skipped_files else ""
     return (f"prepared {result.out}: {head}; {'; '.join(parts)}; tokenizer {tok['name']} "
             f"(vocab {tok['vocab_size']}, {m['dtype']}); shards written {result.shards_written}, "
-            f"skipped {result.shards_skipped}{errs}")
+            f"reused {result.shards_skipped}{errs}{skipped}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``podtrain prepare``."""
-    if not args.force and not is_s3(args.out):
-        refuse_other_tokenizer(Path(args.out), args.tokenizer)
     opts = options_from_args(args)
     if args.train_tokenizer_only:
         if opts.num_parts > 1:
@@ -103,21 +101,3 @@ def run(args: argparse.Namespace) -> int:
               f"`podtrain prepare merge {args.out}`")
     return 0
 
-
-def refuse_other_tokenizer(out: Path, spec: str) -> None:
-    """A UserError when ``out`` already holds data made with a tokenizer other than ``spec``: a
-    model trained on that data would be paired with the wrong tokenizer (``--force`` replaces it)."""
-    manifest = out / MANIFEST_NAME
-    try:
-        recorded = json.loads(manifest.read_text()).get("tokenizer") or {}
-    except (OSError, ValueError):
-        return  # nothing (or nothing readable) to protect
-    name = str(recorded.get("name"))
-    local = Path(spec) / TOKENIZER_FILE if Path(spec).is_dir() else Path(spec)
-    if recorded.get("kind") == "hf" and local.is_file():  # the same file, wherever it is now
-        if hashlib.sha256(local.read_bytes()).hexdigest() == recorded.get("sha256"):
-            return
-    elif name == spec:
-        return
-    raise UserError(f"{out} holds data made with tokenizer {name!r}, not --tokenizer {spec!r}: "
-                    "choose another --out, or pass --force to replace it")

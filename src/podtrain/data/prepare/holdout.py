@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+from podtrain.data.prepare import compression
 from podtrain.data.prepare.encode import doc_hash, is_val
 from podtrain.data.prepare.readers import JsonlItem, RowsItem, plan_tasks
-from podtrain.data.prepare.sources import Source
+from podtrain.data.prepare.sources import Source, open_text
 
 SCAN_CHUNK_BYTES = 1 << 20
 
@@ -27,13 +28,13 @@ SCAN_CHUNK_BYTES = 1 << 20
 def document_names(sources: list[Source], text_field: str) -> Iterator[str]:
     """The names of the corpus's non-empty documents, in corpus order (what ``is_val`` hashes).
 
-    Cheap approximations where reading would cost: a non-empty text file is one document, and a
-    JSONL line counts when its field is a non-empty string (malformed lines are left to the real
-    pass, which names them).
+    Cheap approximations where reading would cost: a non-empty text file is one document (a
+    compressed one when its first byte decompresses), and a JSONL line counts when its field is a
+    non-empty string (malformed lines are left to the real pass, which names them).
     """
     for src in sources:
         if src.kind == "text":  # not read: a huge file would be read whole for its one name
-            if src.size:
+            if src.size and (not src.codec or _decompresses_to_something(src)):
                 yield src.name
             continue
         for task, _ in plan_tasks([src], SCAN_CHUNK_BYTES, text_field):
@@ -43,6 +44,15 @@ def document_names(sources: list[Source], text_field: str) -> Iterator[str]:
                 elif isinstance(item, JsonlItem):
                     yield from (f"{item.name}:{item.first_line + i}"
                                 for i, raw in enumerate(item.data.split(b"\n")) if _has_text(raw, text_field))
+
+
+def _decompresses_to_something(src: Source) -> bool:
+    """Whether a compressed file holds at least one byte (a corrupt one: left to the real pass)."""
+    try:
+        with open_text(src) as fh:
+            return bool(fh.read(1))
+    except (OSError, *compression.errors()):
+        return True
 
 
 def _has_text(raw: bytes, text_field: str) -> bool:

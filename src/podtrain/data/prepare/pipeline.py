@@ -19,16 +19,20 @@ A document's name (what its split is hashed from): its path relative to the INPU
 file named directly: its file name; a glob match: the path as matched; a JSONL line: NAME:LINE; a
 Parquet row: NAME#ROW. Moving the corpus therefore keeps every document in its split.
 
+Why nothing is lost: a finished dataset already at DATA_DIR that this run would replace by another
+(other inputs, tokenizer or options) is refused before any work unless ``force`` (``replace``).
+
 Why nothing is half-written: shards are streamed into a temporary file and renamed when full,
 other files go through ``fsutil.atomic_write_*``, the manifest is written last, and a user error
 removes everything this run wrote (a Ctrl-C keeps finished shards for the resume).
 
 This module holds the options, the pipeline and the manifest it builds; the flags are in ``cli``
 and each stage lives in its own module of this package: ``sources`` (resolve INPUTs), ``readers``
-(cut them into tasks), ``encode`` (the encoder and the worker pool), ``shards`` (shard writing,
-done records, cleanup), ``holdout`` (a small corpus's validation document), ``parts`` (one part
-of a ``--num-parts`` prepare; ``merge`` joins them); ``podtrain.data.tokenizer`` holds the
-tokenizer's identity and files.
+(cut them into tasks; ``compression`` decompresses), ``encode`` (the encoder and the worker pool),
+``shards`` (shard writing, done records, cleanup), ``holdout`` (a small corpus's validation
+document), ``replace`` (the dataset already there), ``reuse`` (``--tokenizer DATA_DIR``), ``parts``
+(one part of a ``--num-parts`` prepare; ``merge`` joins them); ``podtrain.data.tokenizer`` holds
+the tokenizer's identity and files.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import numpy as np
 from podtrain.data import tokenizer as tokmod
 from podtrain.data.manifest import FORMAT, MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
-from podtrain.data.prepare import parts
+from podtrain.data.prepare import parts, replace, reuse
 from podtrain.data.prepare.encode import Counts, EncodeSpec, make_runner, train_texts
 from podtrain.data.prepare.holdout import fallback_val_document
 from podtrain.data.prepare.progress import Progress
@@ -58,7 +62,7 @@ from podtrain.data.prepare.readers import plan_tasks
 from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
                                           read_run_state, remove_temp_files, resume_splits,
                                           up_to_date_manifest, write_run_state)
-from podtrain.data.prepare.sources import Source, is_s3, resolve_inputs
+from podtrain.data.prepare.sources import Source, is_s3, resolve_corpus
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text
 
@@ -92,6 +96,7 @@ class PrepareOptions:
     progress: bool | None = None         # None: a bar when stderr is a terminal
     num_parts: int = 1                   # > 1: prepare only part ``part`` of the corpus (see ``parts``)
     part: int = 0
+    force: bool = False                  # replace a finished dataset of another recipe at ``out``
 
     def key_fields(self) -> dict[str, Any]:
         """The options that change the shards' bytes (worker count and progress do not)."""
@@ -115,6 +120,7 @@ class PrepareResult:
     input_bytes: int = 0
     seconds: float = 0.0
     up_to_date: bool = False
+    skipped_files: str = ""              # "skipped 12 files: .pdf 9, .png 3" (files not read), or ""
 
 
 def _validate(opts: PrepareOptions) -> None:
@@ -151,20 +157,24 @@ def _empty_corpus_error(opts: PrepareOptions, what: str) -> UserError:
 
 
 def _load_hf_early(opts: PrepareOptions) -> tokmod.LoadedHF | None:
+    """The tokenizer to load rather than make: None for byte-level (``byte`` or a byte-level
+    dataset) and for ``bpe:VOCAB`` (trained later, from the inputs)."""
     if opts.tokenizer == "byte":
         return None
     if opts.tokenizer.startswith("bpe:"):
         tokmod.parse_bpe_vocab(opts.tokenizer)  # a bad VOCAB fails before anything is written
         return None
+    if reuse.is_dataset(opts.tokenizer):
+        return reuse.dataset_tokenizer(opts.tokenizer)
     return tokmod.load_hf(opts.tokenizer, opts.eos_token)
 
 
 def _setup_tokenizer(opts: PrepareOptions, sources: list[Source], hf: tokmod.LoadedHF | None,
                      val_doc: str | None) -> tokmod.TokenizerSetup:
-    if opts.tokenizer == "byte":
-        return tokmod.byte_setup()
     if hf is not None:
         return tokmod.hf_setup(hf.tokenizer, hf.files)
+    if not opts.tokenizer.startswith("bpe:"):  # byte, or a byte-level dataset's
+        return tokmod.byte_setup()
     vocab = tokmod.parse_bpe_vocab(opts.tokenizer)
     # Training has no progress bar of its own: say what the pause is.
     print(f"prepare: training {opts.tokenizer} on up to {opts.bpe_train_bytes / 1e6:.0f} MB of train text",
@@ -251,20 +261,28 @@ class _Corpus:
     hf: tokmod.LoadedHF | None
     val_doc: str | None
     key: str
+    recipe: dict[str, Any]     # what ``replace`` compares with a dataset already at the output
+    skipped_files: str         # the summary's "skipped N files: ..." (files not read), or ""
 
 
 def _resolve(opts: PrepareOptions) -> _Corpus:
-    """Everything that can be checked without writing, checked (the whole corpus, even in a part)."""
+    """Everything that can be checked without writing, checked (the whole corpus, even in a part);
+    then a finished dataset of another recipe at the output refused (unless ``opts.force``)."""
     _validate(opts)
-    sources = resolve_inputs(opts.inputs, opts.builtin_bytes, opts.text_field)
+    existing = replace.read_existing(opts.out)  # first: on S3 the one request that checks credentials
+    inputs = resolve_corpus(opts.inputs, opts.builtin_bytes, opts.text_field)
+    sources = inputs.sources
     if not sources:
         raise _empty_corpus_error(opts, "no input files found")
     if sum(s.size for s in sources) == 0:
         raise _empty_corpus_error(opts, f"empty corpus ({len(sources)} files, all empty)")
     hf = _load_hf_early(opts)
-    val_doc = fallback_val_document(sources, opts.val_fraction, opts.text_field)
     sha = hashlib.sha256(hf.files[tokmod.TOKENIZER_FILE]).hexdigest() if hf else None
-    return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc))
+    recipe = replace.make_recipe(opts.inputs, replace.tokenizer_recipe(opts.tokenizer, sha), opts.key_fields())
+    if not opts.force:
+        replace.refuse_replacing(opts.out, existing, recipe, opts.tokenizer, opts.inputs, len(sources))
+    val_doc = fallback_val_document(sources, opts.val_fraction, opts.text_field)
+    return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc), recipe, inputs.skipped_line())
 
 
 def prepare(opts: PrepareOptions) -> PrepareResult:
@@ -274,11 +292,16 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
     ``opts.out`` (see ``parts``). Raises ``UserError`` (one line naming the file) for bad input,
     leaving no manifest and no temporary file behind.
     """
-    if is_s3(opts.out):
-        from podtrain.data.prepare.remote import prepare_remote
-        return prepare_remote(opts, prepare)
     t0 = time.perf_counter()
     corpus = _resolve(opts)
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import prepare_remote
+        return prepare_remote(opts, lambda staged: _prepare_local(staged, corpus, t0))
+    return _prepare_local(opts, corpus, t0)
+
+
+def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareResult:
+    """``prepare`` into a local folder (``opts.out``) of the resolved ``corpus``."""
     sources, hf, key, out, part = corpus.sources, corpus.hf, corpus.key, Path(opts.out), None
     if opts.num_parts > 1:
         part = {"index": opts.part, "count": opts.num_parts, "corpus": key}
@@ -296,7 +319,8 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_dir(out, created)
     remove_temp_files(out)
-    result = PrepareResult(out=out, manifest={}, input_bytes=sum(s.size for s in sources))
+    result = PrepareResult(out=out, manifest={}, input_bytes=sum(s.size for s in sources),
+                           skipped_files=corpus.skipped_files)
     writers: dict[str, ShardWriter] = {}
     try:
         state = read_run_state(out)
@@ -320,8 +344,9 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
         result.shards_skipped = sum(len(r.done) for r in resumes.values())
         spec = EncodeSpec(identity["kind"], setup.tokenizer_json, identity["eos_id"], dtype,
                           opts.val_fraction, opts.text_field, opts.errors, corpus.val_doc)
+        # Compressed inputs: how many bytes they hold is known only once they are read.
         progress = Progress(sys.stderr.isatty() if opts.progress is None else opts.progress,
-                             result.input_bytes)
+                            None if any(s.codec for s in sources) else result.input_bytes)
         try:
             if all(r.complete for r in resumes.values()):
                 n_tasks, errors = start.task, dict(start.errors_before)
@@ -334,7 +359,7 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
         if part is None:  # a part may hold no document of a split: merge checks the whole
             check_not_empty(opts, {s: w.tokens() for s, w in writers.items()})
         manifest = build_manifest(opts, sources, identity, dtype,
-                                  {s: w.records for s, w in writers.items()}, errors)
+                                  {s: w.records for s, w in writers.items()}, errors, corpus.recipe)
         if part is not None:
             manifest["part"] = part
         atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
@@ -359,12 +384,17 @@ def prepare(opts: PrepareOptions) -> PrepareResult:
 def train_tokenizer(opts: PrepareOptions) -> str:
     """``--train-tokenizer-only``: train a ``bpe:VOCAB`` tokenizer once, before the parts of a
     ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line."""
-    if is_s3(opts.out):
-        from podtrain.data.prepare.remote import train_remote
-        return train_remote(opts, train_tokenizer)
     corpus = _resolve(opts)
     if not opts.tokenizer.startswith("bpe:"):
         return f"nothing to train: --tokenizer {opts.tokenizer} is used as it is"
+    if is_s3(opts.out):
+        from podtrain.data.prepare.remote import train_remote
+        return train_remote(opts, lambda staged: _train_local(staged, corpus))
+    return _train_local(opts, corpus)
+
+
+def _train_local(opts: PrepareOptions, corpus: _Corpus) -> str:
+    """``train_tokenizer`` into a local folder (``opts.out``) for the resolved ``corpus``."""
     out = Path(opts.out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -377,7 +407,8 @@ def train_tokenizer(opts: PrepareOptions) -> str:
         parts.write_trained_record(out, corpus.key, setup.identity)
     finally:
         os.close(lock)
-    return f"trained {opts.tokenizer} into {out / tokmod.TOKENIZER_DIR}: now run the parts (--num-parts N --part I)"
+    return (f"trained {opts.tokenizer} into {out / tokmod.TOKENIZER_DIR}: now run the parts (--num-parts N "
+            f"--part I), or prepare each source of a mix with --tokenizer {opts.out}")
 
 
 def lock_dir(out: Path, created: bool) -> int:
@@ -410,8 +441,10 @@ def check_not_empty(opts: PrepareOptions, tokens: dict[str, int]) -> None:
 
 
 def build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[str, Any], dtype: str,
-                   shard_records: dict[str, list[dict[str, Any]]], errors: dict[str, int]) -> dict[str, Any]:
-    """The manifest of a finished ``prepare`` run, from each split's shard done records."""
+                   shard_records: dict[str, list[dict[str, Any]]], errors: dict[str, int],
+                   recipe: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a finished ``prepare`` run, from each split's shard done records; its
+    ``recipe`` is what a later prepare into the same folder is compared with (``replace``)."""
     splits = {}
     for split, records in shard_records.items():
         shards = [{k: r[k] for k in ("file", "tokens", "documents", "sha256", "max_token_id")}
@@ -429,4 +462,4 @@ def build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[s
             "val_fraction": opts.val_fraction,
             "sources": [{"input": k, **v} for k, v in per_input.items()],
             "errors": {"policy": opts.errors, **errors},
-            "text_field": opts.text_field, "shard_tokens": opts.shard_tokens}
+            "text_field": opts.text_field, "shard_tokens": opts.shard_tokens, "recipe": recipe}

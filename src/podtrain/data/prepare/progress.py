@@ -8,8 +8,10 @@ from typing import Any
 class Progress:
     """A rich progress bar over input bytes on a terminal; silent otherwise."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
-        """A bar over ``total`` bytes when ``enabled``; otherwise every call does nothing."""
+    def __init__(self, enabled: bool, total: int | None) -> None:
+        """A bar over ``total`` bytes when ``enabled`` (``None``: not known beforehand, as for
+        compressed inputs: the bar counts bytes and speed without an end); otherwise every call
+        does nothing."""
         self.bar: Any = None
         if enabled:
             from rich.console import Console

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple, TypeAlias
 
-from podtrain.data.prepare.sources import Source, load_pyarrow, open_source
+from podtrain.data.prepare import compression
+from podtrain.data.prepare.sources import Source, load_pyarrow, open_source, open_text
 from podtrain.errors import UserError
 
 
@@ -95,10 +96,11 @@ def _read_full(fh: BinaryIO, n: int) -> bytes:
 
 
 def _pieces(src: Source, chunk: int, cut: Callable[[bytes], int]) -> Iterator[tuple[bytes, int, bool]]:
-    """``(piece, offset, last)`` of a file read ``chunk`` bytes at a time and cut where ``cut``
-    says; ``cut(buf) == 0`` keeps reading. The last piece, possibly empty, has ``last`` true."""
+    """``(piece, offset, last)`` of a file read ``chunk`` bytes at a time (decompressed, for a
+    compressed file: offsets count decompressed bytes) and cut where ``cut`` says; ``cut(buf) == 0``
+    keeps reading. The last piece, possibly empty, has ``last`` true."""
     try:
-        with open_source(src) as fh:
+        with open_text(src) as fh:
             carry, offset = b"", 0
             while True:
                 data = _read_full(fh, chunk)
@@ -112,8 +114,11 @@ def _pieces(src: Source, chunk: int, cut: Callable[[bytes], int]) -> Iterator[tu
                     continue
                 yield buf[:n], offset, False
                 carry, offset = buf[n:], offset + n
-    except OSError as exc:
-        raise UserError(f"{src.path}: cannot read ({exc.strerror or exc})") from None
+    except (OSError, *compression.errors()) as exc:
+        if isinstance(exc, OSError) and (exc.errno is not None or not src.codec):
+            raise UserError(f"{src.path}: cannot read ({exc.strerror or exc})") from None
+        # gzip and bzip2 raise OSError without an errno for bad data, the others their own errors
+        raise UserError(f"{src.path}: not a readable {src.codec} file ({exc or type(exc).__name__})") from None
 
 
 def _text_items(src: Source, chunk: int) -> Iterator[Item]:

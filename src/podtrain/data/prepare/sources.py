@@ -5,20 +5,30 @@ hashed by.
 A source's name: its path relative to the INPUT directory (or ``s3://`` prefix); a file or object
 named directly: its file name; a glob match: the path as matched. Nothing is read beyond ``stat``
 (a listing on S3) and the Parquet schema, so every bad INPUT is reported before ``prepare`` writes
-anything. ``open_source`` opens a source wherever it lies (S3 through ``podtrain.storage``).
+anything. ``open_source`` opens a source wherever it lies (S3 through ``podtrain.storage``);
+``open_text`` also decompresses it (``compression``: ``.gz``, ``.bz2``, ``.xz``, ``.zst``).
+
+Inside a directory (or under a prefix) a file is read by its suffix: text, JSONL, Parquet, or text
+and JSONL compressed. Every other file is skipped and counted by its suffix (``Inputs.skipped``),
+so the summary says what was left out; hidden files and folders (``.git``) are not corpus and not
+counted. A file named on the command line is read as text whatever its suffix: the user asked for
+it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from podtrain.data.prepare import builtin as builtin_corpus
+from podtrain.data.prepare import compression
 from podtrain.errors import UserError
 
 TEXT_SUFFIXES = frozenset({
@@ -28,6 +38,7 @@ TEXT_SUFFIXES = frozenset({
 })
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 PARQUET_SUFFIXES = frozenset({".parquet"})
+SHOWN_KINDS = 8  # kinds of skipped files named in the summary line; the rest are summed
 
 
 @dataclass(frozen=True)
@@ -38,9 +49,10 @@ class Source:
     name: str
     path: Path | str   # str: the object's s3:// url
     kind: str          # text | jsonl | parquet
-    size: int
+    size: int          # bytes of the file as it lies (compressed when ``codec``)
     mtime_ns: int      # 0 on S3, where ``version`` (the ETag) tells a changed object
     version: str = ""
+    codec: str = ""    # gzip | bzip2 | xz | zstd: decompressed while read (``open_text``)
 
     def where(self) -> str:
         """The path or url, absolute: what identifies the source in run keys and messages."""
@@ -59,21 +71,58 @@ def _store(url: str) -> Any:
 
 
 def open_source(src: Source) -> BinaryIO:
-    """A binary, seekable file object of the source (an S3 object through ``podtrain.storage``)."""
+    """A binary, seekable file object of the source as it lies (an S3 object through
+    ``podtrain.storage``; still compressed: ``open_text`` decompresses)."""
     if isinstance(src.path, str):
         parent, _, name = src.path.rpartition("/")
         return _store(parent).open_read(name)
     return open(src.path, "rb")
 
 
-def _s3_sources(inp: str) -> list[Source]:
+@contextlib.contextmanager
+def open_text(src: Source) -> Iterator[BinaryIO]:
+    """The source's bytes as a stream, decompressed while read when it is compressed (text and
+    JSONL sources; Parquet is read through ``open_source``)."""
+    with open_source(src) as raw:
+        if not src.codec:
+            yield raw
+            return
+        with compression.decompressing(raw, src.codec) as fh:
+            yield fh
+
+
+@dataclass
+class Inputs:
+    """Resolved INPUTs: the sources in corpus order, and the files skipped, by suffix."""
+
+    sources: list[Source]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    def skipped_line(self) -> str:
+        """``skipped 12 files: .pdf 9, .png 3`` (empty when nothing was skipped)."""
+        if not self.skipped:
+            return ""
+        total = sum(self.skipped.values())
+        ranked = sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+        kinds = [f"{k} {n:,}" for k, n in ranked[:SHOWN_KINDS]]
+        if len(ranked) > SHOWN_KINDS:  # a real tree's long tail stays one readable line
+            rest = ranked[SHOWN_KINDS:]
+            kinds.append(f"others {sum(n for _, n in rest):,} ({len(rest):,} kinds)")
+        return f"skipped {total:,} file{'s' if total != 1 else ''}: {', '.join(kinds)}"
+
+
+def _s3_sources(inp: str, skipped: Counter[str]) -> list[Source]:
     """The objects under an ``s3://`` prefix (text, JSONL, Parquet by suffix), or the one object named."""
     root = inp.rstrip("/")
     found = [(e.name, e) for e in _store(root).list()
              if not any(part.startswith(".") for part in e.name.split("/"))]
-    out = [Source(inp, name, f"{root}/{name}", kind, e.size, 0, str(e.version))
-           for name, e in sorted(found, key=lambda t: t[0])
-           if (kind := _kind_of(Path(name), explicit=False)) is not None]
+    out = []
+    for name, e in sorted(found, key=lambda t: t[0]):
+        kind, codec = _kind_of(name, explicit=False)
+        if kind is None:
+            skipped[skipped_kind(name)] += 1
+        else:
+            out.append(Source(inp, name, f"{root}/{name}", kind, e.size, 0, str(e.version), codec))
     if out:
         return out
     parent, _, base = root.rpartition("/")
@@ -84,59 +133,84 @@ def _s3_sources(inp: str) -> list[Source]:
         except NotFound:
             pass
         else:
-            return [Source(inp, base, root, _kind_of(Path(base), explicit=True) or "text", e.size, 0,
-                           str(e.version))]
+            kind, codec = _kind_of(root, explicit=True)
+            return [Source(inp, base, root, kind or "text", e.size, 0, str(e.version), codec)]
     if found:
-        raise UserError(f"{inp}: holds no text, .jsonl or .parquet objects")
+        raise UserError(f"{inp}: holds no text, .jsonl or .parquet objects{_none_read(skipped)}")
     raise UserError(f"{inp}: no such S3 object or prefix (nothing listed there)")
 
 
-def _kind_of(path: Path, explicit: bool) -> str | None:
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
+def _kind_of(name: str, explicit: bool) -> tuple[str | None, str]:
+    """``(kind, codec)`` of a file by its name (or path); kind None: not read (only when not
+    ``explicit``, i.e. named on the command line)."""
+    inner, codec = compression.split_suffix(name)
+    suffix = os.path.splitext(inner)[1].lower()
     if suffix in PARQUET_SUFFIXES:
-        return "parquet"
+        if codec:
+            if explicit:
+                raise UserError(f"{name}: a compressed Parquet file cannot be read (Parquet compresses its "
+                                "own columns): decompress it first")
+            return None, codec
+        return "parquet", ""
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl", codec
     if suffix in TEXT_SUFFIXES or explicit:
         # A file named on the command line is text whatever its suffix: the user asked for it.
-        return "text"
-    return None
+        return "text", codec
+    return None, codec
 
 
-def _source(inp: str, name: str, path: Path, kind: str) -> Source:
+def skipped_kind(name: str) -> str:
+    """How a skipped file is counted: its suffix (``.pdf``; ``.tar.gz`` with a compression's), or
+    ``no suffix``."""
+    base = os.path.basename(name)
+    inner, _ = compression.split_suffix(base)
+    return (os.path.splitext(inner)[1] + base[len(inner):]).lower() or "no suffix"
+
+
+def _none_read(skipped: Counter[str]) -> str:
+    return f" ({Inputs([], skipped).skipped_line()})" if skipped else ""
+
+
+def _source(inp: str, name: str, path: Path, kind: str, codec: str = "") -> Source:
     try:
         st = path.stat()
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
-    return Source(inp, name, path, kind, st.st_size, st.st_mtime_ns)
+    return Source(inp, name, path, kind, st.st_size, st.st_mtime_ns, "", codec)
 
 
-def _walk_dir(inp: str, root: Path) -> list[Source]:
-    found: list[tuple[str, Path, str]] = []
+def _walk_dir(inp: str, root: Path, skipped: Counter[str]) -> list[Source]:
+    found: list[tuple[str, Path, str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .prepare, ...
         for fname in filenames:
+            if fname.startswith("."):
+                continue
             path = Path(dirpath) / fname
-            kind = None if fname.startswith(".") else _kind_of(path, explicit=False)
-            if kind is not None:
-                found.append((path.relative_to(root).as_posix(), path, kind))
+            kind, codec = _kind_of(fname, explicit=False)
+            if kind is None:
+                skipped[skipped_kind(fname)] += 1
+            else:
+                found.append((path.relative_to(root).as_posix(), path, kind, codec))
     found.sort()
     if not found:
-        raise UserError(f"{inp}: directory holds no text, .jsonl or .parquet files")
-    return [_source(inp, name, path, kind) for name, path, kind in found]
+        raise UserError(f"{inp}: directory holds no text, .jsonl or .parquet files{_none_read(skipped)}")
+    return [_source(inp, name, path, kind, codec) for name, path, kind, codec in found]
 
 
-def _expand(inp: str, builtin_bytes: int) -> list[Source]:
+def _expand(inp: str, builtin_bytes: int, skipped: Counter[str]) -> list[Source]:
     if is_s3(inp):
-        return _s3_sources(inp)
+        return _s3_sources(inp, skipped)
     if inp == "builtin":
         return [Source("builtin", f.name, f.path, "text", f.size, f.path.stat().st_mtime_ns)
                 for f in builtin_corpus.builtin_files(builtin_bytes)]
     path = Path(inp)
     if path.is_dir():
-        return _walk_dir(inp, path)
+        return _walk_dir(inp, path, skipped)
     if path.is_file():
-        return [_source(inp, path.name, path, _kind_of(path, explicit=True) or "text")]
+        kind, codec = _kind_of(str(path), explicit=True)
+        return [_source(inp, path.name, path, kind or "text", codec)]
     if glob.has_magic(inp):
         matches = sorted(glob.glob(inp, recursive=True))
         if not matches:
@@ -145,33 +219,43 @@ def _expand(inp: str, builtin_bytes: int) -> list[Source]:
         for m in matches:
             mp = Path(m)
             if mp.is_dir():
-                out.extend(_walk_dir(m, mp))
-            elif mp.is_file() and (kind := _kind_of(mp, explicit=True)):
-                out.append(_source(inp, mp.as_posix(), mp, kind))
+                out.extend(_walk_dir(m, mp, skipped))
+            elif mp.is_file():
+                kind, codec = _kind_of(m, explicit=True)
+                out.append(_source(inp, mp.as_posix(), mp, kind or "text", codec))
         return out
     raise UserError(f"{inp}: no such file or directory")
 
 
-def resolve_inputs(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DEFAULT_BUILTIN_BYTES,
-                   text_field: str = "text") -> list[Source]:
-    """Expand INPUTs (files, directories, globs, ``builtin``) into sources, in a deterministic order.
+def resolve_corpus(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DEFAULT_BUILTIN_BYTES,
+                   text_field: str = "text") -> Inputs:
+    """Expand INPUTs (files, directories, globs, ``builtin``) into sources, in a deterministic
+    order, counting the files of a directory (or prefix) that are not read.
 
-    A path that does not exist, a glob with no match, or a Parquet file without ``text_field`` is
-    a one-line user error; nothing is written before this succeeds.
+    A path that does not exist, a glob with no match, a Parquet file without ``text_field`` or a
+    ``.zst`` file without a zstd reader is a one-line user error; nothing is written before this
+    succeeds.
     """
     seen: set[Any] = set()
-    sources: list[Source] = []
+    resolved = Inputs([])
     for inp in inputs:
-        for src in _expand(inp, builtin_bytes):
+        for src in _expand(inp, builtin_bytes, resolved.skipped):
             st = None if isinstance(src.path, str) else os.stat(src.path)
             ident = src.path if st is None else (st.st_dev, st.st_ino)
             if ident not in seen:  # the same file named twice is read once
                 seen.add(ident)
-                sources.append(src)
-    for src in sources:
+                resolved.sources.append(src)
+    for src in resolved.sources:
+        compression.check_available(src.codec, str(src.path))
         if src.kind == "parquet":
             _check_parquet(src, text_field)
-    return sources
+    return resolved
+
+
+def resolve_inputs(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DEFAULT_BUILTIN_BYTES,
+                   text_field: str = "text") -> list[Source]:
+    """The sources of ``resolve_corpus`` (without the count of skipped files)."""
+    return resolve_corpus(inputs, builtin_bytes, text_field).sources
 
 
 def load_pyarrow() -> Any:
