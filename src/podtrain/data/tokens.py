@@ -68,7 +68,7 @@ class SplitTokens:
         pieces = [list(self._pieces(int(s), length)) for s in starts]
         if not self.remote:
             if self._arrays is None:
-                self._arrays = [np.memmap(s.path, dtype=self.dtype, mode="r") for s in self.shards]
+                self._arrays = [_random_access(np.memmap(s.path, dtype=self.dtype, mode="r")) for s in self.shards]
             for row, parts in enumerate(pieces):
                 for k, first, count, at in parts:
                     out[row, at:at + count] = self._arrays[k][first:first + count]
@@ -102,3 +102,18 @@ class SplitTokens:
         if self.remote:
             cache = BlockCache.shared(self.cache)
             cache.warm(self._wanted([list(self._pieces(int(s), length)) for s in starts], cache.block))
+
+
+def _random_access(array: np.memmap) -> np.memmap:
+    """Tell the kernel that ``array`` is read at random places: training reads short windows in a
+    shuffled order, and the default read-ahead (often 128 KB to 8 MB per fault) would pull in
+    megabytes of disk for each few-hundred-byte window once the corpus outgrows the page cache."""
+    import mmap
+
+    raw = getattr(array, "_mmap", None)
+    if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+        try:
+            raw.madvise(mmap.MADV_RANDOM)
+        except (OSError, ValueError):  # advice only: an empty shard or an odd file system
+            pass
+    return array
