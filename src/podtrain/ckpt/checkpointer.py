@@ -158,12 +158,14 @@ class Checkpointer:
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
         self._pool = StagingPool(budget, pin=ctx.is_cuda)
         self._fence = CopyFence(ctx.device)
-        self._writer = CheckpointWriter(self.store, cfg, ctx)
+        owned = self._lease.still_held if self._lease is not None else (lambda: None)
+        self._writer = CheckpointWriter(self.store, cfg, ctx, still_owned=owned, lineage=self.identity.lineage)
         self.local = (open_store(self._agreed("ckpt.local_dir", lambda: lineage.local_url(
             expand_local_dir(cfg.local_dir, ctx), self.identity.lineage))) if cfg.local_dir else None)
         """The node-local tier's store (this lineage's folder of ``ckpt.local_dir``), or None."""
         self._local_writer = CheckpointWriter(self.local, cfg, ctx, local=True) if self.local else None
         self._pending: SaveJob | None = None
+        self._discarded = False
         self._last_step: int | None = None
         self._newest: int | None = None
         """The newest durable step committed or restored by this run (said in messages)."""
@@ -175,17 +177,26 @@ class Checkpointer:
         """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
 
     def _establish(self) -> RunIdentity:
-        """Rank 0: the run's identity, then its leases (run directory and checkpoint location)."""
-        configured = layout.ckpt_url(self.run_dir, self.cfg.dir)
-        identity = lineage.establish(self.run_dir, configured, fresh_start=self.cfg.resume == "never")
+        """Rank 0: the run directory's lease first (nothing is written into a run another job
+        holds), then the run's identity, then the lease of its checkpoint location."""
         # The lease is best effort during an outage (a renewal that fails is tried again at the
         # next one): short retries, so that neither a renewal nor the release at exit waits long.
-        stores = [open_store(str(self.run_dir), retry=RetryPolicy(budget_s=LEASE_RETRY_S))]
-        if not _inside(identity.ckpt_url, self.run_dir):
-            stores.append(open_store(identity.ckpt_url, retry=RetryPolicy(budget_s=LEASE_RETRY_S)))
-        self._lease = Lease(stores, identity.lineage, self.ctx.env.job_id, self.ctx.env.hostname,
+        def lease_store(url: str):
+            return open_store(url, retry=RetryPolicy(budget_s=LEASE_RETRY_S))
+
+        self._lease = Lease([lease_store(str(self.run_dir))], "", self.ctx.env.job_id, self.ctx.env.hostname,
                             self.cfg.lease_timeout_s)
         self._lease.acquire()
+        try:
+            configured = layout.ckpt_url(self.run_dir, self.cfg.dir)
+            identity = lineage.establish(self.run_dir, configured, fresh_start=self.cfg.resume == "never")
+            self._lease.set_lineage(identity.lineage)
+            if not _inside(identity.ckpt_url, self.run_dir):
+                self._lease.extend(lease_store(identity.ckpt_url))
+        except BaseException:
+            self._lease.release()
+            self._lease = None
+            raise
         log.info("run lineage %s%s: checkpoints in %s", identity.lineage,
                  " (new)" if identity.fresh else "", identity.ckpt_url)
         return identity
@@ -259,6 +270,7 @@ class Checkpointer:
             optimizer.state.clear()  # AdamW starts its moments anew at the next step
         if "data" in self.cfg.resume_from_reset:
             state.loader, state.step, state.tokens_seen = None, 0, 0
+            state.train_state.pop("guard", None)  # its window names the parent's steps and data
         self._last_step = None  # nothing of this lineage is saved yet
         return state
 
@@ -413,7 +425,7 @@ class Checkpointer:
             try:
                 outcome = ("ok", fn())
             except UserError as exc:
-                outcome = ("user", str(exc))
+                outcome = ("user", exc)  # the exception itself: a storage outage keeps its exit code
             except Exception as exc:
                 outcome = ("bug", f"{type(exc).__name__}: {exc}")
                 if not self.ctx.initialized:
@@ -421,7 +433,7 @@ class Checkpointer:
                 log.exception("checkpoint decision failed on rank 0")
         kind, value = self.ctx.broadcast_object(outcome)
         if kind == "user":
-            raise UserError(value)
+            raise value
         if kind == "bug":
             raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
         return value
@@ -434,6 +446,8 @@ class Checkpointer:
         except Exception as exc:  # agreed below, so no rank waits on one that failed
             failure = exc
         self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+        if isinstance(failure, Transient):
+            raise failure  # retryable: exit 203, not 2
         if isinstance(failure, UserError):
             raise UserError(f"resuming from {where} failed: {failure}") from None
         if failure is not None:
@@ -500,8 +514,10 @@ class Checkpointer:
             return True
         job.done.wait(None if must else self.cfg.save_wait_s)
         here = job.done.is_set()
-        since = self._outage_since if self._outage_since is not None else job.submitted
-        outage_here = time.monotonic() - since if not here or job.error is not None else 0.0
+        # An outage is time since saves began failing (a failed save, or the store's operations
+        # failing now), never a healthy save that is merely slow.
+        failing = self._outage_since if self._outage_since is not None else self.store.retry.failing_since
+        outage_here = time.monotonic() - failing if failing is not None and (not here or job.error) else 0.0
         votes = self.ctx.all_gather_object((here, outage_here))
         done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
         if done:
@@ -522,14 +538,14 @@ class Checkpointer:
         else raises on every rank (``SaveFailed`` for a storage problem)."""
         self._pending = None
         if job.error is None:
-            self._outage_since = None
-            if not job.local:
+            if not job.local:  # only a durable save ends an outage of the durable storage
+                self._outage_since = None
                 self._newest = job.step
             return
         self._last_step = None  # that step is not on disk: saving it again must not be skipped
         if isinstance(job.error, SaveAbandoned) and not final:
             if self._outage_since is None:
-                self._outage_since = job.submitted
+                self._outage_since = self.store.retry.failing_since or job.submitted
             if self.ctx.is_main:
                 log.warning("%s; training goes on and the next save tries again (the newest checkpoint "
                             "is still %s)", job.error, self._newest_name())
@@ -595,7 +611,14 @@ class Checkpointer:
         once measured (CUDA events, read without blocking; 0 on the CPU and until known)."""
         return self._fence.wait_s()
 
-    def wait(self, timeout: float | None = None, final: bool = False) -> float:
+    def discard(self) -> None:
+        """This job no longer owns the run (its lease was taken over): the save in flight is
+        abandoned, and neither it nor anything later is committed or reported."""
+        self._discarded = True
+        self.abandon()
+
+    def wait(self, timeout: float | None = None, final: bool = False,
+             abandon_wait_s: float = ABANDON_WAIT_S) -> float:
         """Block until the in-flight save is committed; seconds waited. Raises on every rank when
         it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
         a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds the
@@ -608,7 +631,7 @@ class Checkpointer:
             log.warning("the save of step %d is still being written after %.0f s: abandoned (the storage "
                         "is slow or unreachable)", job.step, time.perf_counter() - t0)
             self.abandon()
-            if not job.done.wait(ABANDON_WAIT_S):
+            if not job.done.wait(abandon_wait_s):
                 self._pending, self._last_step = None, None  # the writer thread is left to finish alone
                 return time.perf_counter() - t0
         self._finish(job, final=final)
@@ -618,7 +641,13 @@ class Checkpointer:
         """Wait for the in-flight save, stop the thread, release the group and the lease (every
         exit path)."""
         try:
-            self.wait(final=True)
+            if self._discarded:
+                try:
+                    self.wait(timeout=ABANDON_WAIT_S)
+                except Exception as exc:  # the run is another job's now: nothing to report of ours
+                    log.debug("the abandoned save ended with: %s", exc)
+            else:
+                self.wait(final=True)
         finally:
             if self._lease is not None:
                 self._lease.release()

@@ -288,12 +288,15 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
     return [s for s in mine if s not in keep], abandon
 
 
-def apply_retention(store, current: int, keep_last: int, keep_every: int) -> None:
-    """Carry out ``retention_plan`` after saving ``current``: delete, or move to ``abandoned/``
+def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None = None) -> None:
+    """Carry out ``retention_plan`` after saving ``current`` over the checkpoints of ``lineage``
+    (None: all): delete, or move to ``abandoned/``
     (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
     through the client would move every byte through this node; a bucket with versioning keeps
     them recoverable)."""
     complete = [s for s, _ in committed_steps(store)]
+    if lineage is not None:  # another run's checkpoints (from before lineages) are never touched
+        complete = [s for s in complete if _lineage_of(store, step_name(s)) in (None, lineage)]
     delete, abandon = retention_plan(complete, current, keep_last, keep_every)
     for step in abandon:
         src = store.local_path(step_name(step))
@@ -309,6 +312,15 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int) -> Non
         os.rename(src, dst)
     for step in delete:
         remove(store, step_name(step))
+
+
+def _lineage_of(store, name: str) -> str | None:
+    from podtrain.ckpt.lineage import checkpoint_lineage  # lineage imports this module
+
+    try:
+        return checkpoint_lineage(store, name, read_manifest(store, name))
+    except ValueError:
+        return None
 
 
 def write_latest(store, name: str) -> None:

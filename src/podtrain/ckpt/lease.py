@@ -6,11 +6,12 @@ directory and in the checkpoint location (POSIX or S3: a small JSON object)::
 
     {"lineage", "job", "host", "pid", "started", "heartbeat"}
 
-and a background thread renews ``heartbeat`` every ``timeout / 4`` seconds. Another job finding
+and a background thread renews ``heartbeat`` every ``min(timeout / 4, 30)`` seconds. Another job finding
 a lease whose heartbeat is younger than ``ckpt.lease_timeout_s`` stops at start in one line naming
-the holder. A restart of the same job (the same Slurm job id, or the same torchrun rendezvous id:
-a requeue, torchrun's ``--max-restarts``), or of a holder on this host whose process is gone
-(kill -9 on a workstation), takes the lease at once; a lease whose holder stopped
+the holder. A holder on this host whose process is gone (kill -9, torchrun's ``--max-restarts``) is
+taken over at once; an earlier attempt of the same job (the same Slurm job id, torchrun rendezvous
+id or PyTorchJob: a requeue, a re-created pod) once it has stopped renewing (1.5 renewals: it may
+still be saving on its way out); a lease whose holder stopped
 heartbeating for longer than the timeout is taken over, and the log says so, so a requeue after a
 node loss never waits for a human. Simultaneous starts are settled by reading the lease back after
 a short pause: the last writer holds it, the other stops.
@@ -97,8 +98,14 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def renew_s(self) -> float:
+        """Seconds between renewals: a quarter of the timeout, at most 30 s."""
+        return max(min(self.timeout_s / 4, 30.0), 0.05)
+
     def acquire(self) -> None:
-        """Take every lease or raise ``UserError`` naming the live holder (nothing is left taken)."""
+        """Take every lease or raise ``UserError`` naming the live holder (nothing is left taken);
+        then renew them in the background."""
         taken = []
         try:
             for store in self.stores:
@@ -111,17 +118,28 @@ class Lease:
         self._thread = threading.Thread(target=self._renew_loop, name="podtrain-lease", daemon=True)
         self._thread.start()
 
+    def extend(self, store) -> None:
+        """Take one more location's lease (the checkpoint location, once the run knows it)."""
+        self._take(store)
+        self.stores = [*self.stores, store]
+
+    def set_lineage(self, lineage: str) -> None:
+        """Name the run in the lease (known only after the run directory's lease is held)."""
+        self.record.lineage = lineage
+
     def _take(self, store) -> None:
         now = time.time()
         held = read_lease(store)
+        damaged = held is None and store.exists(LEASE_FILE)
         if held is not None and not held.same_holder(self.record):
             age = now - held.heartbeat
-            if self.record.job and held.job == self.record.job:
-                log.info("%s/%s: taking the lease over from an earlier attempt of this job (%s)",
-                         store.url, LEASE_FILE, held.describe(now))
-            elif held.host == self.record.host and not _alive(held.pid):
+            if held.host == self.record.host and not _alive(held.pid):
                 log.info("%s/%s: taking the lease over from a process on this host that is gone (%s)",
                          store.url, LEASE_FILE, held.describe(now))
+            elif self.record.job and held.job == self.record.job:
+                # An earlier attempt of this job (a requeue, a restarted pod) may still be saving
+                # on its way out: wait until it stops renewing, never write beside it.
+                self._wait_for_lapse(store, held)
             elif age <= self.timeout_s:
                 raise UserError(
                     f"{store.url} is in use by {held.describe(now)}: two jobs must not write one run. "
@@ -131,7 +149,7 @@ class Lease:
             else:
                 log.warning("%s/%s: taking over the lease of %s (older than ckpt.lease_timeout_s=%g)",
                             store.url, LEASE_FILE, held.describe(now), self.timeout_s)
-        if held is None and store.local_path(LEASE_FILE) is not None:
+        if held is None and not damaged and store.local_path(LEASE_FILE) is not None:
             if self._create_exclusive(store):  # POSIX: atomic, no pause needed
                 return
         else:
@@ -143,6 +161,39 @@ class Lease:
                             f"{back.describe(time.time()) if back else 'another job'}: two jobs must not "
                             "write one run; this one stops")
 
+    def _wait_for_lapse(self, store, held: LeaseRecord) -> None:
+        """Wait until an earlier attempt of this job has stopped renewing (1.5 renewals), at most
+        the timeout; an attempt still renewing then is another live process of this job: refused."""
+        lapse = 1.5 * self.renew_s
+        deadline = time.time() + self.timeout_s
+        said = False
+        while True:
+            now = time.time()
+            current = read_lease(store)
+            if current is None or current.same_holder(self.record) or now - current.heartbeat > lapse:
+                log.info("%s/%s: taking the lease over from an earlier attempt of this job (%s)",
+                         store.url, LEASE_FILE, held.describe(now))
+                return
+            if now > deadline:
+                raise UserError(f"{store.url} is still renewed by {current.describe(now)}, another process "
+                                "of this same job: two attempts must not write one run")
+            if not said:
+                log.info("%s/%s: an earlier attempt of this job renewed the lease %.0f s ago: waiting up "
+                         "to %.0f s for it to stop", store.url, LEASE_FILE, now - current.heartbeat, lapse)
+                said = True
+            time.sleep(min(1.0, lapse / 4))
+
+    def still_held(self) -> str | None:
+        """Re-read every lease (rank 0, just before a commit): None while this job holds them all,
+        else why not. A job that lost its run must not commit or prune anything in it."""
+        for store in self.stores:
+            held = read_lease(store)
+            if held is None or not held.same_holder(self.record):
+                reason = f"{store.url}: the lease is now held by {held.describe(time.time()) if held else 'nobody'}"
+                self.lost = self.lost or reason
+                return reason
+        return None
+
     def _create_exclusive(self, store) -> bool:
         """POSIX: create the lease only if no one else has (a hard link to a complete temporary
         file fails when the name exists); False when another job won the race."""
@@ -150,7 +201,10 @@ class Lease:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{LEASE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
         self.record.heartbeat = time.time()
-        tmp.write_text(json.dumps(asdict(self.record)))
+        with open(tmp, "w") as fh:  # complete and durable before it gets its name
+            fh.write(json.dumps(asdict(self.record)))
+            fh.flush()
+            os.fsync(fh.fileno())
         try:
             os.link(tmp, path)
             return True
@@ -164,7 +218,7 @@ class Lease:
         store.write_bytes(LEASE_FILE, json.dumps(asdict(self.record)).encode())
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(max(self.timeout_s / 4, 0.05)):
+        while not self._stop.wait(self.renew_s):
             for store in self.stores:
                 self._renew(store)
 
@@ -197,3 +251,38 @@ class Lease:
                 store.delete(LEASE_FILE)
         except (StorageError, OSError) as exc:
             log.warning("releasing the lease %s/%s failed: %s (it expires by itself)", store.url, LEASE_FILE, exc)
+
+
+def claim_once(store, name: str, body: dict) -> dict:
+    """Write the small JSON object ``name`` unless it exists; returns the one that stands (ours, or
+    the first claimant's). POSIX: an exclusive hard link; S3: write, pause, read back (the last
+    writer of a simultaneous pair wins, and both read the same winner)."""
+    existing = _read_json(store, name)
+    if existing is not None:
+        return existing
+    path = store.local_path(name)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(body))
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    else:
+        store.write_bytes(name, json.dumps(body).encode())
+        time.sleep(SETTLE_S)
+    return _read_json(store, name) or body
+
+
+def _read_json(store, name: str) -> dict | None:
+    try:
+        data = json.loads(store.read_bytes(name))
+    except (NotFound, FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from podtrain.ckpt import layout
+from podtrain.ckpt.lease import claim_once
 from podtrain.storage.errors import Transient
 from podtrain.ckpt.store import NotFound, StorageError, open_store
 
@@ -62,6 +63,8 @@ class RunIdentity:
     created: float = 0.0
     fresh: bool = True
     """True when this start created the lineage (nothing of it can exist yet)."""
+    configured: str = ""
+    """The ``ckpt.dir`` (or ``RUN_DIR/ckpt``) the location was decided under."""
 
     def record(self) -> dict[str, Any]:
         """What ``RUN_DIR/lineage.json`` and every manifest carry."""
@@ -148,7 +151,11 @@ def establish(run_dir: Path, configured_url: str, fresh_start: bool) -> RunIdent
     else:
         adopted = None if fresh_start else _legacy_run_id(run_dir)
         lineage, parent, fresh, created = adopted or new_lineage(), None, adopted is None, time.time()
-    identity = RunIdentity(lineage, _location(run_dir, configured_url, lineage), parent, created, fresh)
+    if recorded and recorded.get("lineage") == lineage and recorded.get("configured") == configured_url:
+        location = str(recorded["ckpt_url"])  # decided at the run's first start: never re-decided
+    else:
+        location = _location(run_dir, configured_url, lineage)
+    identity = RunIdentity(lineage, location, parent, created, fresh, configured_url)
     write(run_dir, identity)
     return identity
 
@@ -158,10 +165,9 @@ def _location(run_dir: Path, configured_url: str, lineage: str) -> str:
     lineage owns it or nobody does (then it claims it), else ``runs/<lineage>``."""
     base = open_store(configured_url)
     owner = owner_of(base)
-    if owner is None:
-        claim = {"lineage": lineage, "run_dir": str(run_dir.resolve()), "created": time.time()}
-        base.write_bytes(OWNER_FILE, json.dumps(claim).encode())
-        owner = read_json(base, OWNER_FILE) or claim  # two fresh runs at once: the last write owns it
+    if owner is None:  # two fresh runs at once: exactly one claim stands, and both read it
+        owner = claim_once(base, OWNER_FILE, {"lineage": lineage, "run_dir": str(run_dir.resolve()),
+                                              "created": time.time()})
     if owner.get("lineage") == lineage:
         return configured_url
     own = f"{configured_url.rstrip('/')}/{RUNS_SUBDIR}/{lineage}"

@@ -31,7 +31,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -96,9 +96,15 @@ class SaveJob:
 class CheckpointWriter:
     """One rank's background writer: its gloo group, its thread, and the write protocol."""
 
-    def __init__(self, store, cfg: CkptSection, ctx: DistContext, local: bool = False) -> None:
+    def __init__(self, store, cfg: CkptSection, ctx: DistContext, local: bool = False,
+                 still_owned: Callable[[], str | None] = lambda: None, lineage: str | None = None) -> None:
         """Every rank constructs one (it creates the background gloo group collectively);
-        ``local``: the node-local tier (see the module docstring)."""
+        ``local``: the node-local tier (see the module docstring). ``still_owned`` (rank 0): None
+        while this job still holds the run, else why not: asked just before the commit, so a job
+        that lost its run never commits or prunes in it. ``lineage``: retention keeps its hands
+        off other runs' checkpoints."""
+        self.still_owned = still_owned
+        self.lineage = lineage
         self.store = store
         self.local = local
         self.tier = "local" if local else "durable"
@@ -231,6 +237,9 @@ class CheckpointWriter:
                  layout.STATE_JSON: json.dumps(state, indent=1).encode()}
         if job.model_config is not None:
             blobs[layout.CONFIG_JSON] = job.model_config.encode()
+        lost = self.still_owned()
+        if lost is not None:
+            raise UserError(f"not committed: {lost} (another job owns this run now)")
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
@@ -241,7 +250,7 @@ class CheckpointWriter:
         job.nbytes = sum(r["bytes"] for r in files.values())
         if not self.local:  # the local tier: every rank prunes its own files (above)
             layout.write_latest(self.store, name)
-            layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every)
+            layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.group is None:

@@ -162,14 +162,19 @@ class DistContext:
         host (a UserError when the original was one, or a storage failure: ``storage_error``); a rank with its own error returns, for its
         caller to re-raise the original with its traceback."""
         user = error if isinstance(error, UserError) else storage_error(error) if error is not None else None
-        mine = None if error is None else (user is not None, str(user or error))
+        mine = None if error is None else (user is not None, str(user or error),
+                                           user.exit_code if user is not None else 1)
         reports = self.all_gather_object((self.env.hostname, mine))
         if error is not None:
             return
         for rank, (host, report) in enumerate(reports):
             if report is not None:
-                is_user, message = report
-                raise (UserError if is_user else RuntimeError)(f"rank {rank} on {host}: {message}")
+                is_user, message, code = report
+                if not is_user:
+                    raise RuntimeError(f"rank {rank} on {host}: {message}")
+                failure = UserError(f"rank {rank} on {host}: {message}")
+                failure.exit_code = code  # a storage outage stays retryable (203) on every rank
+                raise failure
 
     def agree_on(self, work: Callable[[], Any]) -> Any:
         """Run ``work`` on every rank, then ``agree``: a failure on any rank raises on all of

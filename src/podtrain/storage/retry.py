@@ -64,6 +64,10 @@ class RetryPolicy:
     _abandoned: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _local: threading.local = field(default_factory=threading.local, init=False, repr=False)
 
+    failing_since: float | None = field(default=None, compare=False)
+    """When (monotonic) this store's operations began failing transiently, until one succeeds
+    (None: the last operation succeeded): how long an outage has lasted, for the checkpointer."""
+
     def __post_init__(self):
         if self.base_s <= 0 or self.cap_s < self.base_s or self.budget_s < 0:
             raise ValueError(f"RetryPolicy needs 0 < base_s <= cap_s and budget_s >= 0, not {self}")
@@ -129,9 +133,13 @@ class RetryPolicy:
                 self.check(url)
                 tries += 1
                 try:
-                    return self._once(op, classify)
+                    result = self._once(op, classify)
+                    self.failing_since = None
+                    return result
                 except Transient as exc:
                     err = exc
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
                 self._wait(url, err, tries, start)
         finally:
             self._local.depth = 0

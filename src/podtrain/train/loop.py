@@ -405,7 +405,8 @@ class Trainer:
         # would cut the write anyway, so an unfinished save is abandoned (nothing of it commits).
         since = self.stop_signal.seconds_since_signal() or 0.0
         budget = max(1.0, STOP_SAVE_SHARE * self.cfg.ckpt.grace_s - since)
-        waited = self.checkpointer.wait(timeout=budget)
+        waited = self.checkpointer.wait(timeout=budget, abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2
+                                                                         * self.cfg.ckpt.grace_s))
         saved = saved and self.checkpointer.last_save.get("step") == self.step
         if self.ctx.is_main:  # one line for the job, not one per rank
             if saved:

@@ -86,6 +86,7 @@ def should_stop(trainer: Any) -> bool:
     stop = trainer.stop_signal.should_stop(trainer.ctx, trainer.checkpointer.failed,
                                            trainer.checkpointer.lease_lost is not None)
     if stop and trainer.stop_signal.lease_lost_agreed:
+        trainer.checkpointer.discard()
         raise UserError(f"another job took over this run at step {trainer.step} ("
                         f"{trainer.checkpointer.lease_lost or 'see rank 0'}): this job stops without "
                         "saving, so that two jobs never write one run")
