@@ -71,12 +71,15 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Never leave the background resolution running."""
-    for proc, _, log in _background.values():
+    """Never leave the background resolution running, nor its folder behind."""
+    import shutil
+
+    for proc, folder, log in _background.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)  # pip's log and report: nothing to keep in /tmp
 
 
 @pytest.fixture

@@ -39,6 +39,35 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("key, meant", [
+    ("optim.learning_rate", "optim.lr"),  # a synonym, not the nearest spelling (optim.min_lr)
+    ("train.batch_size", "train.global_batch_size"),
+    ("optim.lr_min", "optim.min_lr"),  # the same words in another order
+    ("data.seq_length", "data.seq_len"),
+    ("train.max_grad_norm", "train.grad_clip"),
+    ("optim.weight_decy", "optim.weight_decay"),  # a close spelling within the section
+    ("modle.preset", "model.preset"),  # a close spelling of the section
+    ("learning_rate", "optim.lr"),  # a top-level key in a YAML file
+])
+def test_a_mistyped_key_gets_the_key_it_means(key, meant):
+    with pytest.raises(UserError) as info:
+        load_config(None, [f"{key}=1"])
+    assert str(info.value) == f"unknown config key {key!r} (did you mean {meant!r}?)"
+
+
+def test_a_key_nothing_is_close_to_lists_what_there_is():
+    from podtrain.config import SYNONYMS, all_keys
+
+    assert set(SYNONYMS.values()) <= set(all_keys())
+    with pytest.raises(UserError) as info:
+        load_config(None, ["optim.foo=1"])
+    assert str(info.value) == ("unknown config key 'optim.foo' (optim has: lr, min_lr, warmup_steps, schedule, "
+                               "decay_fraction, weight_decay, beta1, beta2, eps, implementation)")
+    with pytest.raises(UserError, match=r"'train.gradient_accumulation_steps': gradient accumulation follows "
+                                        r"from train.global_batch_size / \(train.micro_batch_size x world size\)"):
+        load_config(None, ["train.gradient_accumulation_steps=4"])
+
+
 def test_accumulation_must_divide():
     assert accumulation_steps(32, 8, 2) == 2
     with pytest.raises(UserError, match="global_batch_size=32 is not divisible by .* 8 x 3 = 24"):

@@ -76,12 +76,16 @@ def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
     pod = worker["template"]["spec"]
     (container,) = pod["containers"]
-    # 90% of a p5's 192 vCPUs and 2048 GiB (less the 10 GiB of EFA huge pages), requests equal
-    # to limits: a Guaranteed pod, which the kubelet evicts last.
+    # 90% of a p5's EKS allocatable (test_pod_requests_fit_the_nodes_eks_allocatable), requests
+    # equal to limits: a Guaranteed pod, which the kubelet evicts last.
     assert container["resources"]["limits"] == {
         "nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "cpu": "172", "hugepages-2Mi": "5120Mi",
-        "memory": "1833Gi"}
+        "memory": "1694Gi"}
     assert container["resources"]["requests"] == container["resources"]["limits"]
+    # Nodes tainted for their GPUs and EFA devices take the pod.
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"}]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
@@ -113,6 +117,49 @@ def test_pytorchjob_for_p5_on_hyperpod(tmp_path, crd_schema):
     assert config_map["metadata"]["name"] == volumes["podtrain-config"]["configMap"]["name"]
 
 
+def test_pod_requests_fit_the_nodes_eks_allocatable():
+    from podtrain.launch.instances import (INSTANCE_TYPES, POD_SHARE, efa_share, eks_allocatable, lookup,
+                                           pod_resources)
+
+    # p5.48xlarge by hand: 192 vCPUs less kube-reserved 60 + 10 + 2 x 5 + 188 x 2.5 = 550 m; 2048 GiB
+    # less the 7.5% the kubelet never sees, the EFA installer's 5128 huge pages of 2 MiB, kube-reserved
+    # 11 x 100 pods + 255 MiB and the 100 MiB eviction threshold.
+    p5 = eks_allocatable(lookup("p5.48xlarge"))
+    assert (p5.cpu_millicores, p5.hugepages_2mi_mib) == (192000 - 550, 10256)
+    assert p5.memory_mib == int(2048 * 1024 * 0.925) - 10256 - (11 * 100 + 255) - 100 == 1928154
+    for name, instance in INSTANCE_TYPES.items():
+        node = eks_allocatable(instance)
+        for gpus in (g for g in range(1, instance.gpus + 1) if instance.gpus % g == 0):
+            efa = efa_share(instance, gpus)
+            # Pods of this size on one node: all of them, unless each needs more than its share of
+            # EFA devices (a 1-GPU pod on a p4d, 4 devices for 8 GPUs, still gets one).
+            pods = min(instance.gpus // gpus, instance.efa // efa)
+            if instance.efa >= instance.gpus:
+                assert pods == instance.gpus // gpus, (name, gpus)
+            asked = pod_resources(instance, gpus, efa)
+            cpu_m = int(asked["cpu"]) * 1000
+            memory_mib = int(asked["memory"].removesuffix("Gi")) * 1024
+            # They fit together, with the rest of the allocatable left to the DaemonSets.
+            assert pods * cpu_m <= POD_SHARE * node.cpu_millicores, (name, gpus, asked)
+            assert pods * memory_mib <= POD_SHARE * node.memory_mib, (name, gpus, asked)
+            assert pods * int(asked["hugepages-2Mi"].removesuffix("Mi")) <= node.hugepages_2mi_mib, (name, gpus)
+            assert memory_mib >= 0.85 * node.memory_mib * gpus / instance.gpus  # and not far below
+    # The README's table is these numbers.
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| ([a-z0-9.-]+)[^|]* \| [^|]+ \| [^|]+ \| ([\d.]+) / (\d+) GiB \| (\d+) CPU, (\d+Gi), "
+                      r"(\d+Mi) huge pages \|$", readme, re.M)
+    assert len(rows) == 3, rows
+    for name, cpu, memory, pod_cpu, pod_memory, hugepages in rows:
+        instance = lookup(name)
+        node = eks_allocatable(instance)
+        assert (float(cpu), int(memory)) == (node.cpu_millicores / 1000, round(node.memory_mib / 1024)), name
+        assert pod_resources(instance, 8, instance.efa) == {
+            "cpu": pod_cpu, "hugepages-2Mi": hugepages, "memory": pod_memory}, name
+    # A p5 pod with 2 of the 8 GPUs: 8 of the 32 EFA devices and a quarter of the huge pages.
+    assert efa_share(lookup("p5.48xlarge"), 2) == 8
+    assert pod_resources(lookup("p5.48xlarge"), 2, 8)["hugepages-2Mi"] == "2564Mi"
+
+
 def test_cpu_pytorchjob_without_gpus(tmp_path, crd_schema):
     _, job = generate(tmp_path, "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0",
                       "--nproc-per-node", "2", "--image", IMAGE, "--pvc", "shared",
@@ -120,6 +167,7 @@ def test_cpu_pytorchjob_without_gpus(tmp_path, crd_schema):
     check_pytorchjob(job, crd_schema)
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert "resources" not in pod["containers"][0] and "affinity" not in pod
+    assert "tolerations" not in pod  # no device requested: no device taint tolerated
     assert job["spec"]["elasticPolicy"]["minReplicas"] == 1
     assert "annotations" not in job["metadata"]
     # without HyperPod: a user mistake (exit 2) is not retried, a preemption (143) is
@@ -233,6 +281,21 @@ BAD_INPUT = [
     (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx", "--mount", "/fsx\x00"],
      "--mount '/fsx\\x00' contains NUL"),
     (["--nodes", "1", "--gpus-per-node", "8", "--image", "repo/podtrain:v1$(id)"], "is not an image tag"),
+    # argparse's own mistakes: one line naming the option, not its 14-line usage
+    (["--nodes", "1", "--gpus-per-node", "8"],
+     "podtrain launch k8s: missing --image: container image with podtrain, tagged; "
+     "`podtrain launch k8s --help` shows every option"),
+    (["--gpus-per-node", "8", "--image", IMAGE], "missing --nodes: pods to run"),
+    (["--nodes", "two", "--image", IMAGE], "argument --nodes: invalid int value: 'two'"),
+    (["--nodes", "1", "--image", IMAGE, "--gpu", "8"], "ambiguous option: --gpu could match"),
+    (["--nodes", "1", "--image", IMAGE, "--pvcs", "fsx"], "unrecognized arguments: --pvcs"),
+    # What kubectl apply would refuse, refused here
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "FSX_claim"],
+     "--pvc 'FSX_claim' is not a valid Kubernetes name"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--namespace", "team.a"],
+     "--namespace 'team.a' is not a valid Kubernetes name"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--image", IMAGE, "--shm-size", "lots"],
+     "--shm-size 'lots' is not a Kubernetes quantity"),
 ]
 
 
@@ -246,6 +309,15 @@ def test_bad_input_is_one_line_before_anything_is_written(tmp_path, capsys, flag
     assert code == 2 and err.count("\n") == 1 and err.startswith("podtrain: error: "), err
     assert message in err, err
     assert not out.exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    (tmp_path / "job.yaml").mkdir()
+    code = main(["launch", "k8s", DEMO, "train.global_batch_size=64", "--nodes", "1", "--gpus-per-node", "8",
+                 "--image", IMAGE, "--output", str(tmp_path / "job.yaml")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and err[-1] == f"podtrain: error: --output {tmp_path / 'job.yaml'}: cannot write it (Is a directory)"
+    assert not any("Traceback" in line for line in err)
 
 
 def operator_environment(job: dict, rdzv_endpoint: str) -> dict[str, str]:

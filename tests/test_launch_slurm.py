@@ -153,6 +153,7 @@ def test_instance_preset_fills_gpus_and_efa(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive",
                  "#SBATCH --wait-all-nodes=1", "#SBATCH --partition=gpu", "#SBATCH --account=ml",
                  "#SBATCH --time=2-00:00:00", "#SBATCH --signal=USR1@120", "#SBATCH --requeue",
+                 "#SBATCH --gpus-per-node=8",  # the GPUs, where Slurm binds them to the request
                  "#SBATCH --output=%x-%j.out"):  # sbatch's directory: it exists wherever it runs
         assert line + "\n" in text, line
     records, stdout, _ = run_batch(tmp_path, script)
@@ -164,6 +165,13 @@ def test_instance_preset_fills_gpus_and_efa(tmp_path):
     assert flag(records[0]["argv"], "nproc-per-node") == "8"
     assert (env["FI_PROVIDER"], env["FI_EFA_USE_DEVICE_RDMA"], env["FI_EFA_FORK_SAFE"]) == ("efa", "1", "1")
     assert env["NCCL_SOCKET_IFNAME"] == "^lo,docker,veth"
+
+
+def test_gpus_are_requested_unless_opted_out(tmp_path):
+    assert "#SBATCH --gpus-per-node=4\n" in generate(tmp_path, "--gpus-per-node", "4").read_text()
+    opted_out = generate(tmp_path, "--gpus-per-node", "4", "--no-gpu-request").read_text()
+    cpu = generate(tmp_path, "--gpus-per-node", "0", "--nproc-per-node", "2").read_text()
+    assert "--gpus-per-node" not in opted_out and "--gpus-per-node" not in cpu
 
 
 def test_container_venv_and_signal_options(tmp_path):
@@ -195,6 +203,10 @@ def test_time_and_signal_parsing():
 
 BAD_INPUT = [
     (["--nodes", "0", "--gpus-per-node", "8"], [], "--nodes must be at least 1"),
+    (["--gpus-per-node", "8"], [], "podtrain launch slurm: missing --nodes: nodes to run (one torchrun each)"),
+    (["--nodes", "2", "--gpus-per-node", "eight"], [], "argument --gpus-per-node: invalid int value: 'eight'"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--request-gpus", "--no-gpu-request"], [],
+     "--request-gpus (the default now) and --no-gpu-request contradict each other"),
     (["--nodes", "2", "--instance-type", "p4d.24xlarge", "--gpus-per-node", "16"], [],
      "--gpus-per-node 16 does not fit --instance-type p4d.24xlarge"),
     (["--nodes", "2", "--instance-type", "p9.48xlarge"], [], "not a known preset"),

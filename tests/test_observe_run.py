@@ -114,7 +114,7 @@ def test_plot_writes_png_and_html(resumed_run, tmp_path, capsys):
     raw = png.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
-    assert (width, height) == (1600, 1250)  # 3 x 3 panels: bits per byte and eval tasks too
+    assert (width, height) == (1600, 1250)  # three rows: the training panels and bits per byte
     page = tmp_path / "curves.html"
     assert main(["plot", str(run_dir), "--out", str(page)]) == 0
     text = page.read_text()

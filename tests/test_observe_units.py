@@ -180,3 +180,34 @@ def test_tracker_not_installed_names_the_extra_absence_simulated(capsys, tmp_pat
     assert capsys.readouterr().err.strip().splitlines() == [
         "podtrain: error: config key 'log.trackers' names 'mlflow' but the mlflow package is not "
         "installed (pip install 'podtrain[mlflow]')"]
+
+
+def _write_metrics(run_dir, evals, sources=("web",)):
+    """A run directory whose metrics.jsonl holds 3 logged steps and the given evaluation records."""
+    run_dir.mkdir()
+    lines = [{"kind": "train", "step": s, "tokens_seen": 1024 * s, "loss": 5.0 - s, "lr": 1e-3,
+              "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.1, "data_wait_s": 0.001,
+              "tokens_by_source": {name: 1024 * s // len(sources) for name in sources}} for s in (1, 2, 3)]
+    lines += [{"kind": "eval", "step": 3, "tokens_seen": 3072, "val_loss": 2.5, "val_bpb": 3.0, **e} for e in evals]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return run_dir
+
+
+def test_plot_draws_no_empty_panel(tmp_path):
+    """No `eval.tasks`: no "eval tasks" panel; one source: no "tokens by source"; the figure
+    shrinks to the rows it needs (issue 30 point 10: the plot always drew an empty tasks panel)."""
+    pytest.importorskip("matplotlib")
+    from podtrain.observe.plot import panel_titles, render_png
+
+    plain = read_records(_write_metrics(tmp_path / "plain", [{}]))
+    core = ["loss", "learning rate", "gradient norm", "throughput", "MFU", "data wait",
+            "validation bits per byte"]
+    assert panel_titles([plain]) == core
+    tasks = read_records(_write_metrics(tmp_path / "tasks", [{"podtrain-next-line/acc": 0.4}], ("web", "code")))
+    assert panel_titles([tasks]) == core + ["eval tasks", "tokens by source"]
+    assert panel_titles([plain, tasks]) == core + ["eval tasks", "tokens by source"]  # overlaid: either has it
+    no_eval = read_records(_write_metrics(tmp_path / "no_eval", []))
+    assert panel_titles([no_eval]) == core[:-1]
+    for runs, height in (([no_eval], 833), ([plain, tasks], 1250)):  # 6 panels: two rows; 9: three
+        png = render_png(runs)
+        assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1600, height)

@@ -312,12 +312,14 @@ def test_plan_prints_the_vocabulary_and_batch_it_used_and_refuses_a_batch_the_la
     demo = str(repo / "configs/demo.yaml")
     code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.12xlarge", "data.path=/nonexistent")
     assert code == 0, out.err
-    assert "vocabulary: 320 from the preset's own (/nonexistent has no prepared data here)" in out.out
+    assert "with the preset's own vocabulary (320)" in out.out
+    assert "vocabulary: /nonexistent has no prepared data here; model.vocab_size=N plans another" in out.out
     assert ("batch: global 32 sequences = micro-batch 8 x 1 accumulation step(s) x 4 rank(s); "
             "8,192 tokens per step") in out.out
     data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
     code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.8xlarge", f"data.path={data}")
-    assert code == 0 and re.search(r"vocabulary: [\d,]+ from the data's tokenizer in ", out.out), out.err
+    assert code == 0 and (f"vocabulary: the same as {data}'s byte-level tokenizer (257 ids, rounded up "
+                          "to 64)") in out.out, out.err
     # 32 sequences over 8 GPUs x micro-batch 8: `launch slurm` refuses it, so does plan (same check).
     for argv in (["plan", demo, "--instance-type", "p5.48xlarge"],
                  ["launch", "slurm", demo, "--instance-type", "p5.48xlarge", "--nodes", "1"]):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 
 from podtrain import __version__
 from podtrain.errors import UserError, storage_error
@@ -43,6 +44,23 @@ def _usage() -> str:
     lines.append("")
     lines.append("`podtrain COMMAND --help` shows a command's options.")
     return "\n".join(lines)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: a usage mistake (a missing or unknown option, a value of the
+    wrong type) is a ``UserError`` naming it, not argparse's usage block; and an optional
+    positional (``overrides``, ``nargs="*"``) is never listed as required, which
+    ``parse_intermixed_args`` does when the command has no arguments at all."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Raise the one-line ``UserError`` (the CLI prints it and exits 2)."""
+        required = "the following arguments are required: "
+        if message.startswith(required):
+            optional = {a.dest for a in self._actions if not a.option_strings and a.nargs in ("*", "?")}
+            helps = {name: a.help for a in self._actions for name in (a.option_strings or [a.dest])}
+            missing = [n for n in message[len(required):].split(", ") if n not in optional]
+            message = "missing " + "; ".join(f"{n}: {helps[n]}" if helps.get(n) else n for n in missing)
+        raise UserError(f"{self.prog}: {message}; `{self.prog} --help` shows every option")
 
 
 def _find_command(argv: list[str]) -> tuple[tuple[str, ...], list[str]] | None:
@@ -80,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     module_name, help_ = COMMANDS[path]
     try:
         module = importlib.import_module(module_name)
-        parser = argparse.ArgumentParser(prog=f"podtrain {' '.join(path)}", description=help_)
+        parser = OneLineParser(prog=f"podtrain {' '.join(path)}", description=help_)
         module.add_arguments(parser)
         # intermixed: "CONFIG --nproc 2 k=v" puts overrides after options, as users type them
         args = parser.parse_intermixed_args(rest)

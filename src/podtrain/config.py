@@ -115,16 +115,82 @@ def _flatten(raw: dict, source: str, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _closest(key: str) -> str:
-    """The valid key a typo most likely meant: the same leaf in another section first
-    ("train.lr" -> "optim.lr"), then the nearest spelling."""
+# Names other trainers give podtrain's keys (Hugging Face Trainer, nanoGPT, Megatron, torchtitan):
+# a key that uses one is pointed at podtrain's, whatever its section.
+SYNONYMS: dict[str, str] = {
+    **dict.fromkeys(("learning_rate", "max_lr", "lr_max", "peak_lr"), "optim.lr"),
+    **dict.fromkeys(("min_learning_rate", "lr_min", "final_lr"), "optim.min_lr"),
+    **dict.fromkeys(("batch_size", "global_batch", "train_batch_size", "total_batch_size"),
+                    "train.global_batch_size"),
+    **dict.fromkeys(("micro_batch", "per_device_batch_size", "per_device_train_batch_size", "local_batch_size"),
+                    "train.micro_batch_size"),
+    **dict.fromkeys(("max_steps", "num_steps", "total_steps", "max_iters", "iterations", "train_iters"),
+                    "train.steps"),
+    **dict.fromkeys(("warmup", "warmup_iters", "lr_warmup_steps", "num_warmup_steps"), "optim.warmup_steps"),
+    **dict.fromkeys(("max_grad_norm", "clip_grad_norm", "gradient_clipping", "clip_grad"), "train.grad_clip"),
+    **dict.fromkeys(("seq_length", "max_seq_len", "max_seq_length", "context_length", "block_size",
+                     "sequence_length"), "data.seq_len"),
+    "wd": "optim.weight_decay",
+    **dict.fromkeys(("save_steps", "save_every", "checkpoint_every", "save_interval"), "ckpt.every"),
+    **dict.fromkeys(("eval_steps", "eval_interval", "eval_every"), "eval.every"),
+    **dict.fromkeys(("logging_steps", "log_interval", "log_every"), "log.every"),
+    **dict.fromkeys(("output_dir", "out_dir", "run_dir"), "run.dir"),
+    **dict.fromkeys(("model_name", "model_type", "arch", "architecture"), "model.preset"),
+    **dict.fromkeys(("dataset", "data_dir", "dataset_path"), "data.path"),
+    **dict.fromkeys(("dtype", "mixed_precision"), "train.precision"),
+}
+# Keys podtrain has no equivalent of, because the value follows from others: what to set instead.
+DERIVED: dict[str, str] = dict.fromkeys(
+    ("gradient_accumulation_steps", "accumulation_steps", "grad_accum", "gradient_accumulation"),
+    "gradient accumulation follows from train.global_batch_size / (train.micro_batch_size x world "
+    "size): set those")
+CLOSE = 0.7
+"""difflib ratio from which a spelling is a likely typo of a key (``stepz`` for ``steps``: 0.8)."""
+
+
+def _closest(key: str) -> str | None:
+    """The valid key a mistyped one most likely meant, or None: a known synonym
+    (``learning_rate`` -> ``optim.lr``), the same name in another section (``train.lr``), the
+    same words in another order (``lr_min`` -> ``min_lr``), then a close spelling (difflib) of
+    the section and of the name within it; nothing when no key is close (``optim.foo``)."""
     keys = all_keys()
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
-    if same_leaf:
-        return same_leaf[0]
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
-    return match[0] if match else ""
+    section, _, leaf = key.rpartition(".")
+    name = leaf.lower().replace("-", "_")
+    if name in SYNONYMS:
+        return SYNONYMS[name]
+    for candidate in keys:
+        other = candidate.rsplit(".", 1)[-1]
+        if other == name or sorted(other.split("_")) == sorted(name.split("_")):
+            return candidate
+    sections = {k.split(".", 1)[0] for k in keys}
+    if section not in sections:  # a mistyped section (modle.preset): its closest, then the name there
+        close = difflib.get_close_matches(section, sections, n=1, cutoff=CLOSE)
+        if not close:
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=CLOSE)
+            return close[0] if close else None
+        section = close[0]
+        if f"{section}.{name}" in keys:
+            return f"{section}.{name}"
+    in_section = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(section + ".")]
+    close = difflib.get_close_matches(name, in_section, n=1, cutoff=CLOSE)
+    return f"{section}.{close[0]}" if close else None
+
+
+def _unknown_key(key: str) -> UserError:
+    """The one-line error for a key the config tree does not have, with the closest key (or
+    what to set instead, or the section's keys when nothing is close)."""
+    name = key.rsplit(".", 1)[-1].lower().replace("-", "_")
+    if name in DERIVED:
+        return UserError(f"unknown config key {key!r}: {DERIVED[name]}")
+    closest = _closest(key)
+    if closest:
+        return UserError(f"unknown config key {key!r} (did you mean {closest!r}?)")
+    section = key.split(".", 1)[0]
+    leaves = [k.split(".", 1)[1] for k in all_keys() if k.startswith(section + ".")]
+    if leaves:
+        return UserError(f"unknown config key {key!r} ({section} has: {', '.join(leaves)})")
+    sections = list(dict.fromkeys(k.split(".", 1)[0] for k in all_keys()))
+    return UserError(f"unknown config key {key!r} (sections: {', '.join(sections)})")
 
 
 # Keys that existed once: naming one is a one-line error saying what replaced it.
@@ -139,14 +205,14 @@ def _set(cfg: RunConfig, key: str, value: Any) -> None:
         raise UserError(f"config key {key!r} was removed: {REMOVED_KEYS[key]}")
     parts = key.split(".")
     if len(parts) != 2:
-        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+        raise _unknown_key(key)
     section_name, leaf = parts
     section = getattr(cfg, section_name, None)
     if section is None or not dataclasses.is_dataclass(section):
-        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+        raise _unknown_key(key)
     types_ = _field_types(type(section))
     if leaf not in types_:
-        raise UserError(f"unknown config key {key!r} (did you mean {_closest(key)!r}?)")
+        raise _unknown_key(key)
     setattr(section, leaf, _coerce(key, value, types_[leaf]))
 
 

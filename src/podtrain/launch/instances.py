@@ -87,39 +87,112 @@ INSTANCE_TYPES: dict[str, InstanceType] = {t.name: t for t in (
     InstanceType("g6e.48xlarge", 8, "L40S 48GB", 4, False, "L40S", 44, 400, 20),
 )}
 
-# vCPUs and host memory (GiB) of each preset, from the EC2 instance-type pages: what a pod that
-# owns the node may request (``pod_resources``).
-HOST_SIZES: dict[str, tuple[int, int]] = {
-    "p4d.24xlarge": (96, 1152), "p4de.24xlarge": (96, 1152), "p5.48xlarge": (192, 2048),
-    "p5e.48xlarge": (192, 2048), "p5en.48xlarge": (192, 2048), "p6-b200.48xlarge": (192, 2048),
-    "g5.8xlarge": (32, 128), "g5.12xlarge": (48, 192), "g5.24xlarge": (96, 384),
-    "g5.48xlarge": (192, 768), "g6.48xlarge": (192, 768), "g6e.48xlarge": (192, 1536),
+# vCPUs and host memory (GiB) of each preset, from the EC2 instance-type pages, and the most pods
+# the EKS AMIs let its kubelet run (awslabs/amazon-eks-ami, eni-max-pods.txt: ENIs x (IPv4 per ENI
+# - 1) + 2; for multi-card types, network card 0 only): the inputs of ``eks_allocatable``.
+HOST_SIZES: dict[str, tuple[int, int, int]] = {
+    "p4d.24xlarge": (96, 1152, 737), "p4de.24xlarge": (96, 1152, 737), "p5.48xlarge": (192, 2048, 100),
+    "p5e.48xlarge": (192, 2048, 100), "p5en.48xlarge": (192, 2048, 198), "p6-b200.48xlarge": (192, 2048, 198),
+    "g5.8xlarge": (32, 128, 234), "g5.12xlarge": (48, 192, 737), "g5.24xlarge": (96, 384, 737),
+    "g5.48xlarge": (192, 768, 345), "g6.48xlarge": (192, 768, 737), "g6e.48xlarge": (192, 1536, 492),
 }
 
-EFA_HUGEPAGES_2MI = "5120Mi"
-"""2 MiB huge pages a pod using EFA requests: the EFA installer reserves 5128 of them on every
-EFA instance, and AWS's EKS EFA examples (nccl-tests on p5.48xlarge/p4d) request 5120Mi."""
+EFA_HUGEPAGES_MIB = 5120
+"""2 MiB huge pages (in MiB) a pod using a whole node's EFA devices requests: AWS's EKS EFA
+examples (nccl-tests on p5.48xlarge/p4d) request 5120Mi; a pod with a share of the devices asks
+that share (``efa_hugepages_mib``), so that the node's pods all fit its reserve."""
+EFA_RESERVED_HUGEPAGES_MIB = 5128 * 2
+"""What the EFA installer reserves as huge pages (5128 of 2 MiB) on every EFA instance: out of the
+node's memory, and not allocatable as memory."""
+
+
+def efa_share(instance: InstanceType, gpus: int) -> int:
+    """EFA devices a pod using ``gpus`` of a node's GPUs asks for by default: its GPUs' share of
+    the node's devices, at least one (a pod smaller than that share still talks over EFA; fewer
+    such pods then fit a node)."""
+    if not instance.efa or not gpus:
+        return 0
+    return max(1, instance.efa * min(gpus, instance.gpus) // instance.gpus)
+
+
+def efa_hugepages_mib(instance: InstanceType, efa: int) -> int:
+    """2 MiB huge pages (MiB) of a pod using ``efa`` of the node's EFA devices: its devices' share
+    of the node's reserve, at most ``EFA_HUGEPAGES_MIB``, in whole pages."""
+    share = EFA_RESERVED_HUGEPAGES_MIB * min(efa, instance.efa) // max(1, instance.efa)
+    return min(EFA_HUGEPAGES_MIB, share // 2 * 2)
+
+VM_MEMORY_OVERHEAD = 0.075
+"""Share of an instance's nominal memory that never reaches the kubelet's capacity (firmware,
+hypervisor, kernel): Karpenter's default ``vmMemoryOverheadPercent``, its estimate for EC2."""
+EVICTION_HARD_MIB = 100
+"""The EKS AMIs' kubelet ``evictionHard: memory.available: 100Mi``."""
+
+
+@dataclass(frozen=True)
+class Allocatable:
+    """What the kubelet of an EKS node lets pods request (``eks_allocatable``)."""
+
+    cpu_millicores: int
+    """CPU, in thousandths of a core."""
+    memory_mib: int
+    """Memory, huge pages excluded."""
+    hugepages_2mi_mib: int
+    """2 MiB huge pages (the EFA installer's), in MiB."""
+
+
+def kube_reserved_cpu_millicores(vcpus: int) -> int:
+    """The EKS AMIs' kube-reserved CPU (nodeadm ``getCPUMillicoresToReserve``, bootstrap.sh before
+    it, after GKE's table): 6% of the first core, 1% of the second, 0.5% of the third and fourth,
+    0.25% of every core above four."""
+    steps = ((1, 60), (1, 10), (2, 5), (max(0, vcpus - 4), 2.5))
+    left, reserved = vcpus, 0.0
+    for cores, millicores in steps:
+        used = min(left, cores)
+        reserved += used * millicores
+        left -= used
+    return int(reserved)
+
+
+def kube_reserved_memory_mib(max_pods: int) -> int:
+    """The EKS AMIs' kube-reserved memory: 11 MiB per pod the node may run + 255 MiB (nodeadm
+    ``getMemoryMebibytesToReserve``)."""
+    return 11 * max_pods + 255
+
+
+def eks_allocatable(instance: InstanceType) -> Allocatable:
+    """An EKS node's allocatable as the EKS-optimized AMIs (AL2023's nodeadm, AL2's bootstrap.sh)
+    configure its kubelet: allocatable = capacity - kube-reserved - system-reserved (none on
+    these AMIs) - the hard eviction threshold, where the memory capacity is the nominal memory
+    less ``VM_MEMORY_OVERHEAD`` and less the EFA installer's huge pages (on EFA instances), which
+    the kubelet counts apart from memory. A node group with its own kubeletExtraConfig reserves
+    differently: the pods request ``POD_SHARE`` of this, which leaves room for that too."""
+    vcpus, memory_gib, max_pods = HOST_SIZES[instance.name]
+    hugepages = EFA_RESERVED_HUGEPAGES_MIB if instance.efa else 0
+    capacity_mib = int(memory_gib * 1024 * (1 - VM_MEMORY_OVERHEAD)) - hugepages
+    return Allocatable(cpu_millicores=vcpus * 1000 - kube_reserved_cpu_millicores(vcpus),
+                       memory_mib=capacity_mib - kube_reserved_memory_mib(max_pods) - EVICTION_HARD_MIB,
+                       hugepages_2mi_mib=hugepages)
+
 
 POD_SHARE = 0.9
-"""Share of a node's vCPUs and memory a training pod requests: the rest is left to the kubelet's
-reservations and eviction threshold and to the DaemonSets (CNI, EFA and GPU device plugins,
-HyperPod's health agents), so the pod still fits the node's allocatable."""
+"""Share of a node's allocatable CPU and memory the training pods request: the rest is left to the
+DaemonSets every GPU node runs (CNI, kube-proxy, the EFA and NVIDIA device plugins, CSI drivers,
+HyperPod's health agents), whose requests must fit beside it."""
 
 
 def pod_resources(instance: InstanceType, gpus: int, efa: int) -> dict[str, str]:
     """CPU and memory requests of a pod using ``gpus`` of the GPUs of one ``instance`` node: its
-    GPUs' share of ``POD_SHARE`` of the node (requests equal to limits make a Guaranteed pod,
-    evicted last, where a Burstable or BestEffort one goes first), plus the EFA huge pages when
-    it uses ``efa`` > 0 devices (libfabric needs them; they come out of the node's memory, so the
-    memory request leaves them aside)."""
-    vcpus, memory_gib = HOST_SIZES[instance.name]
+    GPUs' share of ``POD_SHARE`` of the node's EKS allocatable (``eks_allocatable``), whole
+    cores (requests equal to limits make a Guaranteed pod, evicted last, where a Burstable or
+    BestEffort one goes first, and whole cores let a static CPU manager pin them), plus its share
+    of the EFA huge pages when it uses ``efa`` > 0 devices (``efa_hugepages_mib``: libfabric's
+    buffers; the kubelet counts them apart from memory)."""
+    node = eks_allocatable(instance)
     share = POD_SHARE * min(1.0, gpus / instance.gpus)
-    resources = {"cpu": str(max(1, int(vcpus * share)))}
-    hugepages_gib = 0
-    if efa:
-        resources["hugepages-2Mi"] = EFA_HUGEPAGES_2MI
-        hugepages_gib = 10  # 5120 MiB, rounded up
-    resources["memory"] = f"{max(1, int(memory_gib * share) - hugepages_gib)}Gi"
+    resources = {"cpu": str(max(1, int(node.cpu_millicores * share) // 1000))}
+    if efa and instance.efa:
+        resources["hugepages-2Mi"] = f"{efa_hugepages_mib(instance, efa)}Mi"
+    resources["memory"] = f"{max(1, int(node.memory_mib * share) // 1024)}Gi"
     return resources
 
 

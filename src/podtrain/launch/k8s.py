@@ -11,7 +11,8 @@ Kubeflow ``PyTorchJob`` (kubeflow.org/v1, the default) or SageMaker HyperPod's
   after the pods start) instead of failing the rendezvous, and passes its pod IP as
   ``--local-addr`` so the ranks are told addresses, not names that may not resolve yet.
 * Resources ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` (without the EFA devices NCCL quietly
-  falls back to TCP sockets); with ``--instance-type``, CPU and memory requests equal to limits
+  falls back to TCP sockets) and the NoSchedule tolerations of their taints; with
+  ``--instance-type``, CPU and memory requests equal to limits inside the node's EKS allocatable
   (a Guaranteed pod, evicted last) and the EFA huge pages (``instances.pod_resources``); a
   memory-backed ``/dev/shm``, the shared-storage claim mounted where the run directory lives, and
   the EFA/NCCL environment of the instance type.
@@ -41,7 +42,7 @@ from podtrain.config import load_config
 from podtrain.distributed.env import DEFAULT_MASTER_PORT
 from podtrain.errors import UserError
 from podtrain.launch import schemas
-from podtrain.launch.instances import pod_resources
+from podtrain.launch.instances import efa_share, pod_resources
 from podtrain.launch.jobspec import (JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label,
                                      mix_with_paths)
 from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-nodes", type=int, default=None,
                         help="elastic minimum of worker pods (default: --nodes)")
     parser.add_argument("--efa", type=int, default=None,
-                        help="EFA devices per pod (default: the instance type's)")
+                        help="EFA devices per pod (default: its GPUs' share of the instance type's)")
     parser.add_argument("--image", required=True, help="container image with podtrain, tagged")
     parser.add_argument("--kind", default="pytorchjob", metavar="{pytorchjob,hyperpodpytorchjob}",
                         help="pytorchjob (Kubeflow's PyTorchJob) or hyperpodpytorchjob (SageMaker "
@@ -97,6 +98,7 @@ def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Validate flags and config, then return ``[ConfigMap, job]``; UserError on bad input."""
     _check_kind(args)
     check_image(args.image)
+    check_names(args)
     spec = build_spec(args.config, args.overrides, args.nodes, args.gpus_per_node,
                       args.nproc_per_node, args.instance_type, min_nodes=args.min_nodes,
                       gpu_memory_gib=args.gpu_memory)
@@ -187,7 +189,7 @@ def _efa_count(spec: JobSpec, efa: int | None) -> int:
         return efa
     if spec.instance is None or spec.gpus_per_node == 0:
         return 0
-    return spec.instance.efa
+    return efa_share(spec.instance, spec.gpus_per_node)
 
 
 def _metadata(name: str, namespace: str | None, spec: JobSpec) -> dict[str, Any]:
@@ -296,6 +298,9 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
     }
     if getattr(args, "service_account", None):
         pod_spec["serviceAccountName"] = service_account(args.service_account)
+    tolerations = device_tolerations(spec.gpus_per_node, efa)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     if spec.instance is not None:
         itype = spec.instance.name
         pod_spec["nodeSelector"] = {"node.kubernetes.io/instance-type":
@@ -307,16 +312,53 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
     return {"metadata": {"labels": {"app.kubernetes.io/name": "podtrain"}}, "spec": pod_spec}
 
 
+DEVICE_TAINTS = {"gpu": "nvidia.com/gpu", "efa": "vpc.amazonaws.com/efa"}
+"""Taints GPU and EFA node groups carry (EKS managed node groups, eksctl and Karpenter's GPU node
+pools taint ``nvidia.com/gpu``; EFA node groups ``vpc.amazonaws.com/efa``) so that other pods
+stay off them; a pod that uses the device tolerates its taint."""
+
+
+def device_tolerations(gpus: int, efa: int) -> list[dict[str, str]]:
+    """NoSchedule tolerations for the devices the pod requests. Kubernetes' admission plugin
+    ExtendedResourceToleration would add them, but EKS does not enable it: without them a
+    pod never schedules on nodes tainted for their GPUs."""
+    keys = [DEVICE_TAINTS["gpu"]] * bool(gpus) + [DEVICE_TAINTS["efa"]] * bool(efa)
+    return [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in keys]
+
+
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE])?$")
+"""A memory quantity as Kubernetes parses one (``32Gi``, ``500M``), without signs or exponents."""
+
+
+def k8s_name(name: str, flag: str, label: bool = False) -> str:
+    """``name`` checked as Kubernetes checks an object's name: a DNS subdomain (at most 253
+    characters; claims, service accounts) or, with ``label``, a DNS label (at most 63, no '.';
+    namespaces). A name it refuses is one line here, not a failed ``kubectl apply``."""
+    pattern, limit, chars = (_LABEL, 63, "'-'") if label else (_SUBDOMAIN, 253, "'-' and '.'")
+    if len(name) > limit or not pattern.match(name):
+        raise UserError(f"{flag} {name!r} is not a valid Kubernetes name (lower case letters, digits, "
+                        f"{chars}, starting and ending with a letter or digit, at most {limit} characters)")
+    return name
 
 
 def service_account(name: str) -> str:
-    """``--service-account NAME`` checked as Kubernetes checks it (a DNS subdomain, at most 253
-    characters): the pods get AWS credentials from it through IRSA or EKS Pod Identity."""
-    if len(name) > 253 or not _SUBDOMAIN.match(name):
-        raise UserError(f"--service-account {name!r} is not a valid Kubernetes name (lower case "
-                        "letters, digits, '-' and '.', starting and ending with a letter or digit)")
-    return name
+    """``--service-account NAME`` checked as Kubernetes checks it (``k8s_name``): the pods get AWS
+    credentials from it through IRSA or EKS Pod Identity."""
+    return k8s_name(name, "--service-account")
+
+
+def check_names(args: argparse.Namespace) -> None:
+    """The flags that become Kubernetes names or quantities, checked before anything is written."""
+    if args.pvc is not None:
+        k8s_name(args.pvc, "--pvc")
+    if args.namespace is not None:
+        k8s_name(args.namespace, "--namespace", label=True)
+    if args.service_account is not None:
+        service_account(args.service_account)
+    if not _QUANTITY.match(args.shm_size):
+        raise UserError(f"--shm-size {args.shm_size!r} is not a Kubernetes quantity (e.g. 32Gi, 500Mi)")
 
 
 def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,
@@ -400,7 +442,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise UserError(f"--output {args.output}: cannot write it ({exc.strerror})") from None
         print(f"podtrain: wrote {args.output} (kubectl apply -f {args.output})", file=sys.stderr)
     return 0

@@ -61,6 +61,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def oversubscription(ranks: int, cores: int) -> str | None:
+    """One line when ``ranks`` local processes outnumber ``cores``: they then take turns on the
+    cores, so each step runs slower than with one rank per core (and each rank still holds its
+    own model copy in memory)."""
+    if ranks <= cores:
+        return None
+    return (f"{ranks} ranks on {cores} core(s) here: ranks beyond one per core take turns on them, so "
+            f"each step is slower than with {cores} rank(s)")
+
+
 def torchrun_command(config: str, overrides: Sequence[str], nproc: int, nnodes: int, port: int,
                      rdzv_id: str, max_restarts: int, join_timeout: int, host: bool,
                      grace_s: float, log_dir: str | None = None) -> list[str]:
@@ -91,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
     own verdict (see the module docstring)."""
     if args.nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be at least 1")
+    warning = oversubscription(args.nproc * args.nnodes, usable_cores())
+    if warning:
+        print(f"podtrain: warning: {warning}", file=sys.stderr)
     cfg = load_config(args.config, args.overrides)
     accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.nproc * args.nnodes)
     if args.gpu_memory is not None and args.gpu_memory <= 0:

@@ -12,6 +12,8 @@ rendezvous. What it gets right, each a failure users hit on real clusters:
 * ``srun --auto-resume=1`` only where ``/opt/sagemaker_cluster`` exists when the job runs.
 * EFA/NCCL variables by instance type, flight-recorder dumps into RUN_DIR/debug, the gloo restart
   fix (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``--max-restarts``, ``join_timeout``.
+* ``#SBATCH --gpus-per-node`` from the job's GPUs per node (``--no-gpu-request`` leaves it out for
+  clusters without GPU GRES): where Slurm constrains devices, a job sees only the GPUs it asked for.
 * ``--signal=USR1@120``: Slurm signals every process of the step two minutes before the time
   limit; torchrun ignores it, the workers checkpoint and exit (``ckpt.signals``), and with
   ``--requeue`` the batch script requeues the job once the step has ended, to resume from there.
@@ -60,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default USR1@120); the run checkpoints and exits on it")
     parser.add_argument("--requeue", action="store_true",
                         help="let Slurm requeue the job after preemption or node failure")
-    parser.add_argument("--request-gpus", action="store_true",
-                        help="also request the GPUs as GRES (#SBATCH --gpus-per-node)")
+    parser.add_argument("--no-gpu-request", action="store_true",
+                        help="leave out #SBATCH --gpus-per-node (only for clusters without GPU GRES, "
+                             "whose sbatch refuses it)")
+    parser.add_argument("--request-gpus", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument("--output", "-o", default="-",
                         help="where to write the script (default: standard output)")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
@@ -143,6 +147,8 @@ def parse_time(text: str) -> int | None:
 def build_job(args: argparse.Namespace, cwd: Path | None = None) -> SlurmJob:
     """Validate every flag and the training config; raise UserError before anything is written."""
     cwd = cwd or Path.cwd()
+    if args.request_gpus and args.no_gpu_request:
+        raise UserError("--request-gpus (the default now) and --no-gpu-request contradict each other")
     for flag, value in (("--venv", args.venv), ("--container-image", args.container_image),
                         ("--container-mounts", args.container_mounts)):
         if value:
@@ -260,7 +266,10 @@ def _sbatch_options(args: argparse.Namespace, spec: JobSpec, pre: Preemption | N
                 raise UserError(f"--{flag} {value!r} has characters Slurm does not take")
             _no_hetjob(value, f"--{flag}")
             opts.append(f"--{flag}={value}")
-    if args.request_gpus and spec.gpus_per_node:
+    if spec.gpus_per_node and not args.no_gpu_request:
+        # Clusters that constrain devices (cgroup ConstrainDevices) show a job only the GPUs it
+        # requested: --exclusive alone gives the node, not its GPUs, and a step gets the GPUs
+        # its job requested.
         opts.append(f"--gpus-per-node={spec.gpus_per_node}")
     if pre:
         opts.append(f"--signal={pre.short}@{pre.seconds}")

@@ -3,7 +3,8 @@
 Panels against tokens seen: training and validation loss, learning rate, gradient norm,
 tokens/s, MFU, data wait, validation bits per byte, the lm-eval tasks' accuracies (``eval.tasks``)
 and the tokens trained per data source (``data.mix``: the sources' validation losses join the
-loss panel, one line style each); several run directories are overlaid, one colour each, and every
+loss panel, one line style each), each drawn only when some run has values for it (three panels
+a row); several run directories are overlaid, one colour each, and every
 restart (a resumed attempt) is a dotted vertical line. The records come de-duplicated from
 ``observe/records.py``. ``.html`` writes one self-contained file: the PNG embedded plus a table of
 each run's final numbers. Needs matplotlib (``pip install 'podtrain[plot]'``).
@@ -90,29 +91,60 @@ def _source_series(records: list[dict[str, Any]], field: str) -> dict[str, tuple
 
 
 def _source_panels(loss_ax, tokens_ax, records: RunRecords, colour: str, name: str) -> None:
-    """Per data source: validation loss in the loss panel, tokens trained in their own panel."""
+    """Per data source: validation loss in the loss panel, tokens trained in their own panel
+    (``tokens_ax``: None when no run mixes sources)."""
     for j, (source, (xs, ys)) in enumerate(_source_series(records.eval, "val_loss_by_source").items()):
         loss_ax.plot(xs, ys, color=colour, ls=SOURCE_STYLES[j % len(SOURCE_STYLES)], marker=".",
                      label=f"{name} validation {source}")
+    if tokens_ax is None:
+        return
     for j, (source, (xs, ys)) in enumerate(_source_series(records.train, "tokens_by_source").items()):
         styles = ("-",) + SOURCE_STYLES
         tokens_ax.plot(xs, ys, color=colour, ls=styles[j % len(styles)], label=f"{name} {source}")
-    tokens_ax.set_title("tokens by source")
-    tokens_ax.set_xlabel("tokens seen")
-    tokens_ax.set_ylabel("tokens trained")
-    tokens_ax.grid(True, alpha=0.3)
-    if tokens_ax.lines:
-        tokens_ax.legend(fontsize=8)
+
+
+BPB, TASKS, SOURCES = "validation bits per byte", "eval tasks", "tokens by source"
+UNITS = {BPB: "bits/byte", TASKS: "accuracy", SOURCES: "tokens trained"}
+
+
+def panel_titles(runs: list[RunRecords]) -> list[str]:
+    """The panels worth drawing, in order: each of ``PANELS`` and the evaluation's and mixture's
+    panels only where some run has a value for it (a run without ``eval.tasks`` gets no empty
+    "eval tasks" panel, a single-source run no "tokens by source")."""
+    def has(records: list[dict[str, Any]], key: str) -> bool:
+        return any(r.get(key) is not None for r in records)
+
+    titles = [title for title, key, _, _ in PANELS if any(has(r.train, key) for r in runs)]
+    if any(has(r.eval, "val_bpb") for r in runs):
+        titles.append(BPB)
+    if any(task_metrics(r.eval) for r in runs):
+        titles.append(TASKS)
+    if any(len(_source_series(r.train, "tokens_by_source")) > 1 for r in runs):
+        titles.append(SOURCES)
+    return titles
+
+
+COLUMNS = 3
 
 
 def render_png(runs: list[RunRecords]) -> bytes:
-    """The six panels as PNG bytes (one colour per run, restarts dotted)."""
+    """The panels with data (``panel_titles``) as PNG bytes, three a row (one colour per run,
+    restarts dotted)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(3, 3, figsize=(16, 12.5), constrained_layout=True)
+    titles = panel_titles(runs)
+    rows = -(-len(titles) // COLUMNS)
+    fig, grid = plt.subplots(rows, COLUMNS, figsize=(16, 12.5 * rows / 3), constrained_layout=True,
+                             squeeze=False)
+    axes = dict(zip(titles, grid.flat))
+    for ax in list(grid.flat)[len(titles):]:
+        ax.remove()  # the last row's unused places
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, records in enumerate(runs):
         colour, name = colours[i % len(colours)], _label(records, runs)
-        for ax, (title, key, scale, unit) in zip(axes.flat, PANELS):
+        for title, key, scale, unit in PANELS:
+            if title not in axes:
+                continue
+            ax = axes[title]
             xs, ys = _series(records.train, key, scale)
             ax.plot(xs, ys, color=colour, lw=1.4, label=f"{name} train" if key == "loss" else name)
             if key == "loss":
@@ -120,16 +152,21 @@ def render_png(runs: list[RunRecords]) -> bytes:
                 ax.plot(vx, vy, color=colour, ls="--", marker="o", ms=4, label=f"{name} validation")
             for restart in records.restarts:
                 ax.axvline(restart["tokens_seen"], color=colour, ls=":", lw=1.2)
-            ax.set_title(title)
-            ax.set_xlabel("tokens seen")
             ax.set_ylabel(unit)
-            ax.grid(True, alpha=0.3)
-        _eval_panels(axes.flat[len(PANELS)], axes.flat[len(PANELS) + 1], records, colour, name)
-        _source_panels(axes.flat[0], axes.flat[-1], records, colour, name)
-    axes.flat[0].legend(fontsize=8)
+        _eval_panels(axes.get(BPB), axes.get(TASKS), records, colour, name)
+        _source_panels(axes["loss"], axes.get(SOURCES), records, colour, name)
+    for title, ax in axes.items():
+        ax.set_title(title)
+        ax.set_xlabel("tokens seen")
+        if title in UNITS:
+            ax.set_ylabel(UNITS[title])
+        ax.grid(True, alpha=0.3)
+        if title in ("loss", TASKS, SOURCES):
+            ax.legend(fontsize=8)
     if any(r.restarts for r in runs):
-        axes.flat[1].plot([], [], color="grey", ls=":", label="restart (resumed)")
-        axes.flat[1].legend(fontsize=8)
+        restart_ax = axes.get("learning rate", grid.flat[0])
+        restart_ax.plot([], [], color="grey", ls=":", label="restart (resumed)")
+        restart_ax.legend(fontsize=8)
     fig.suptitle("podtrain: " + ", ".join(_label(r, runs) for r in runs))
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
@@ -143,19 +180,15 @@ def task_metrics(records: list[dict[str, Any]]) -> list[str]:
 
 
 def _eval_panels(bpb_ax, tasks_ax, records: RunRecords, colour: str, name: str) -> None:
-    """Validation bits per byte, and one line per task metric (a marker style each)."""
-    xs, ys = _series(records.eval, "val_bpb", 1.0)
-    bpb_ax.plot(xs, ys, color=colour, marker="o", ms=4, label=name)
-    for (key, style) in zip(task_metrics(records.eval), ("-", "--", ":", "-.") * 8):
-        tx, ty = _series(records.eval, key, 1.0)
-        tasks_ax.plot(tx, ty, color=colour, ls=style, marker="s", ms=4, label=f"{name} {key}")
-    for ax, title, unit in ((bpb_ax, "validation bits per byte", "bits/byte"), (tasks_ax, "eval tasks", "accuracy")):
-        ax.set_title(title)
-        ax.set_xlabel("tokens seen")
-        ax.set_ylabel(unit)
-        ax.grid(True, alpha=0.3)
-    if tasks_ax.lines:
-        tasks_ax.legend(fontsize=8)
+    """Validation bits per byte, and one line per task metric (a marker style each); an axis is
+    None where no run has that panel."""
+    if bpb_ax is not None:
+        xs, ys = _series(records.eval, "val_bpb", 1.0)
+        bpb_ax.plot(xs, ys, color=colour, marker="o", ms=4, label=name)
+    if tasks_ax is not None:
+        for (key, style) in zip(task_metrics(records.eval), ("-", "--", ":", "-.") * 8):
+            tx, ty = _series(records.eval, key, 1.0)
+            tasks_ax.plot(tx, ty, color=colour, ls=style, marker="s", ms=4, label=f"{name} {key}")
 
 
 def _label(records: RunRecords, runs: list[RunRecords]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from podtrain.config import RunConfig, accumulation_steps, load_config
 from podtrain.errors import UserError
@@ -19,6 +19,9 @@ from podtrain.plan.fit import (MAX_NODES, StrategyFit, accumulates_unsharded, ac
 from podtrain.plan.machine import Machine, instance_machine, local_machine, resolve_precision, with_busbw_json
 from podtrain.plan.memory import STRATEGIES, ModelShape, shard_factor
 from podtrain.plan.steptime import StepTime, Workload, step_time
+
+if TYPE_CHECKING:  # plan.shape imports the model code (transformers): only when counting
+    from podtrain.plan.shape import VocabChoice
 
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (Hoffmann et al. 2022)
 LOCAL_RANKS = 2  # `make demo`'s NPROC
@@ -52,8 +55,12 @@ class Plan:
     """train.micro_batch_size."""
     seq_len: int = 1
     """data.seq_len."""
-    vocab_source: str = "the preset's own"
-    """Where the vocabulary comes from (``plan.shape.run_vocab``)."""
+    preset: str = ""
+    """model.preset."""
+    vocab_source: str = "the preset's own vocabulary"
+    """Where the vocabulary comes from, short (``plan.shape.plan_vocab``)."""
+    vocab_reason: str = ""
+    """Why that vocabulary, and the override that plans another."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,14 +87,14 @@ class Plan:
                         "efficiency": m.efficiency, "compute_source": m.compute_source,
                         "busbw_source": m.busbw_source,
                         "price_per_node_hour": m.price_per_node_hour},
-            "model": {"params": self.shape.params, "flops_per_token": self.shape.flops_per_token},
+            "model": {"preset": self.preset, "params": self.shape.params, "flops_per_token": self.shape.flops_per_token},
             "nodes": self.nodes, "world_size": self.world, "precision": self.precision,
             "strategies": [f.as_dict() for f in self.fits], "strategy": self.strategy,
             "activation_checkpointing": self.checkpointing, "step": self.time.as_dict(),
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
             "tokens": self.tokens, "seconds_to_tokens": self.seconds_to_tokens,
             "cost_usd": self.cost_usd, "scaling": self.scaling, "note": self.note,
-            "vocab": {"size": self.shape.vocab, "source": self.vocab_source},
+            "vocab": {"size": self.shape.vocab, "source": self.vocab_source, "reason": self.vocab_reason},
             "accumulation_steps": self.accum, "accumulation": self.accumulation,
         }
 
@@ -109,9 +116,10 @@ def workload(cfg: RunConfig, world: int, dtype_bytes: int, checkpointing: bool) 
 
 
 def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
-              tokens: int | None, vocab_source: str = "the preset's own") -> Plan:
+              tokens: int | None, vocab: VocabChoice | None = None) -> Plan:
     """The plan for ``cfg`` on ``nodes`` nodes of ``machine``; UserError when it fits nowhere, or
-    when the global batch does not divide over the job (what the launchers refuse)."""
+    when the global batch does not divide over the job (what the launchers refuse). ``vocab``:
+    how ``shape``'s vocabulary was chosen, for the text (default: the preset's own)."""
     if nodes < 1:
         raise UserError(f"--nodes must be 1 or more, got {nodes}")
     precision = resolve_precision(cfg.train.precision, machine.is_gpu)
@@ -142,7 +150,8 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
                 fits=fits, strategy=strategy, checkpointing=ac, time=time,
                 tokens_per_step=_tokens_per_step(cfg, world), tokens=tokens or TOKENS_PER_PARAM * shape.params,
                 note=note, accum=accum, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, accumulate_unsharded=unsharded, unsharded_bytes=unsharded_bytes,
-                vocab_source=vocab_source)
+                preset=cfg.model.preset, vocab_source=vocab.source if vocab else "the preset's own vocabulary",
+                vocab_reason=vocab.reason if vocab else "")
     plan.scaling = scaling_table(cfg, shape, machine, strategy, dtype_bytes, ac, plan.tokens, unsharded)
     return plan
 
@@ -219,17 +228,17 @@ def build_machine(args: argparse.Namespace, cfg: RunConfig | None = None,
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Load the config, count the model, build the machine, plan."""
-    from podtrain.plan.shape import model_shape, run_vocab
+    from podtrain.plan.shape import plan_vocab, vocab_shape
 
     if args.nodes < 1:
         raise UserError(f"--nodes must be 1 or more, got {args.nodes}")
     cfg = load_config(args.config, args.overrides)
     args.precision = cfg.train.precision
-    shape = model_shape(cfg)
+    vocab = plan_vocab(cfg)
+    shape = vocab_shape(cfg, vocab.size)
     machine = build_machine(args, cfg, shape)
     tokens = int(args.tokens) if args.tokens else None
-    _, source = run_vocab(cfg)
-    return make_plan(cfg, shape, machine, args.nodes, tokens, source)
+    return make_plan(cfg, shape, machine, args.nodes, tokens, vocab)
 
 
 def run(args: argparse.Namespace) -> int:

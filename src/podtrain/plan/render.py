@@ -11,7 +11,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Columns right-aligned except the first."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                               for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *rows])
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in [header, *rows])
 
 
 def duration(seconds: float) -> str:
@@ -36,10 +37,11 @@ def render_plan(plan: Any) -> str:
     """The text of ``podtrain plan``."""
     m, s, t = plan.machine, plan.shape, plan.time
     out = [
-        f"model: {s.params / 1e6:,.1f}M parameters, {s.flops_per_token / 1e9:.3g} GFLOPs/token | "
+        f"model: {plan.preset}, {s.params / 1e6:,.1f}M parameters with {plan.vocab_source} "
+        f"({s.vocab:,}), {s.flops_per_token / 1e9:.3g} GFLOPs/token | "
         f"{plan.nodes} x {m.name} = {plan.world} device(s), {m.device_memory_bytes / GIB:.1f} GiB each, "
         f"{plan.precision}",
-        f"vocabulary: {s.vocab:,} from {plan.vocab_source}",
+        *([f"vocabulary: {plan.vocab_reason}"] if plan.vocab_reason else []),
         f"batch: global {plan.tokens_per_step // plan.seq_len:,} sequences = micro-batch {plan.micro_batch} x "
         f"{plan.accum} accumulation step(s) x {plan.world} rank(s); {plan.tokens_per_step:,} tokens per step",
         f"compute: peak {m.peak_flops / 1e12:.3g} TFLOP/s x efficiency {m.efficiency:.2f} "

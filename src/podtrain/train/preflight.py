@@ -54,6 +54,9 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     decides FSDP's accumulation mode. Every rank runs it at start, and ``launch local`` runs it
     before starting torchrun, so a mistake is one line, not a worker failure."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    for line in config_warnings(cfg):
+        # INFO: what every rank finds alike is said once, by rank 0 (the others log WARNING up).
+        log.info("warning: %s", line)
     resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
     sources = DataSources.from_config(cfg.data)  # enough tokens, shards present and whole
     manifest = sources.manifest
@@ -74,6 +77,17 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
                         cfg.model.memory_check)
     unsharded = decision.accumulate_unsharded
     return CheckedRun(manifest, model_config, accum, val_indexes, unsharded, sources)
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Settings that run but are rarely meant, one line each: a warmup as long as the run
+    (``optim.warmup_steps >= train.steps``: the learning rate never reaches its schedule's end)."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if warmup < steps:
+        return []
+    return [f"optim.warmup_steps={warmup} >= train.steps={steps}: the run ends inside its warmup, the "
+            f"learning rate reaching {min(1.0, steps / warmup):.0%} of optim.lr={cfg.optim.lr:g} at its last "
+            f"step and never decaying; lower optim.warmup_steps (a few % of train.steps is usual)"]
 
 
 def check_host_copy(params: int, host_bytes: int | None, strategy: str, policy: str = "error") -> str | None:
