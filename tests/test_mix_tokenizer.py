@@ -39,7 +39,8 @@ def tokenizer_of(data) -> dict:
     return json.loads((data / "manifest.json").read_text())["tokenizer"]
 
 
-def test_the_readme_recipe_one_tokenizer_trained_once_then_every_source_prepared_with_it(corpora, tmp_path):
+def test_the_readme_recipe_one_tokenizer_trained_once_then_every_source_prepared_with_it(corpora, tmp_path, repo,
+                                                                                         monkeypatch):
     web, code, tok = corpora / "web", corpora / "code", tmp_path / "tok"
     assert cli.main(["prepare", str(web), str(code), "--out", str(tok), "--tokenizer", "bpe:300",
                      "--train-tokenizer-only"]) == 0
@@ -53,6 +54,16 @@ def test_the_readme_recipe_one_tokenizer_trained_once_then_every_source_prepared
     index = MixedIndex(sources.indexes)
     rows = index.gather(np.array([0, index.offsets[1]]))  # one sample of each source
     assert rows.shape == (2, 9) and rows.max() < 300 and not np.array_equal(rows[0], rows[1])
+    # ... and the mix trains (one process, two steps; the config of README's mixing example)
+    run = tmp_path / "run"
+    monkeypatch.chdir(repo)
+    assert cli.main(["train", "configs/demo.yaml", f"run.dir={run}", "train.steps=2", "data.seq_len=16",
+                     "train.micro_batch_size=2", "train.global_batch_size=2", "eval.every=0", "log.every=1",
+                     "log.progress=off", "log.trackers=none", "monitor.watchdog=false",
+                     f"data.mix=[{{path: {tmp_path / 'web'}, weight: 3}}, {{path: {tmp_path / 'code'}, weight: 1}}]"]) == 0
+    trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in trained if r.get("kind") == "train"]
+    assert [r["step"] for r in steps] == [1, 2] and set(steps[-1]["tokens_by_source"]) == {"web", "code"}
 
 
 def test_a_byte_identical_tokenizer_at_another_path_is_the_same_tokenizer(corpora, tmp_path):
