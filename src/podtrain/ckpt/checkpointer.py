@@ -169,6 +169,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._newest: int | None = None
         """The newest durable step committed or restored by this run (said in messages)."""
+        self._failing_agreed = False
+        """The last vote saw the storage failing (every rank then skips a due save at once)."""
         self._outage_since: float | None = None
         """When saves started failing for a transient storage fault (monotonic), or None."""
         self.skipped: list[tuple[str, str]] = []
@@ -508,18 +510,29 @@ class Checkpointer:
         to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
         or, for a transient storage fault, logged; a storage outage longer than
         ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One small
-        all_gather, at save steps only, so every rank decides the same."""
+        all_gather per round, at save steps only, so every rank decides the same (only rank 0,
+        which commits, may see the storage fail while the others wait for it)."""
         job = self._pending
         if job is None:
             return True
-        job.done.wait(None if must else self.cfg.save_wait_s)
-        here = job.done.is_set()
-        # An outage is time since saves began failing (a failed save, or the store's operations
-        # failing now), never a healthy save that is merely slow.
-        failing = self._outage_since if self._outage_since is not None else self.store.retry.failing_since
-        outage_here = time.monotonic() - failing if failing is not None and (not here or job.error) else 0.0
-        votes = self.ctx.all_gather_object((here, outage_here))
-        done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
+
+        def failing() -> float | None:  # since when saves fail: a failed save, or the store now
+            return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
+
+        while True:  # every rank runs the same iterations: each ends in the same all_gather
+            # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
+            # last step's save (must) waits in 1 s rounds until done or past the outage bound.
+            job.done.wait(1.0 if must else 0.0 if self._failing_agreed else self.cfg.save_wait_s)
+            here = job.done.is_set()
+            # An outage is time since saves began failing (only rank 0 may know: it commits),
+            # never a healthy save that is merely slow.
+            since = failing()
+            outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
+            votes = self.ctx.all_gather_object((here, outage_here))
+            done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
+            self._failing_agreed = outage > 0
+            if done or not must or outage > self.cfg.max_outage_s:
+                break
         if done:
             self._finish(job)
         if outage > self.cfg.max_outage_s and (not done or self._outage_since is not None):
