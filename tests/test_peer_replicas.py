@@ -31,12 +31,12 @@ def _cfg(base: str, rank: int, k: int = 1) -> CkptSection:
     return CkptSection(keep_last=0, local_dir=f"{base}/node{rank}", local_every=1, local_keep=2, local_replicas=k)
 
 
-def _save(rank, world, base):
+def _save(rank, world, base, last=5):
     """Durable step 2, then local-only steps 3, 4, 5 (each replicated to the next node)."""
     net, opt = _model()
     ck = Checkpointer(Path(base) / "run", _cfg(base, rank), _node_ctx(rank))
     weights = {}
-    for step in range(1, 6):
+    for step in range(1, last + 1):
         _train(net, opt, step)
         ck.save(step, net, opt, None, {"step": step}, local=step >= 3)
         ck.wait()
@@ -45,7 +45,7 @@ def _save(rank, world, base):
     return weights
 
 
-def _resume(rank, world, base):
+def _resume(rank, world, base, train_to=0):
     """Restore; (step, where from, weights, bytes received from peers, rank 0's log lines)."""
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
@@ -56,8 +56,13 @@ def _resume(rank, world, base):
     _train(net, opt, 99)  # anything but the saved state
     ck = Checkpointer(Path(base) / "run", _cfg(base, rank), _node_ctx(rank))
     state = ck.restore(net, opt, None)
+    restored = _weights(net)
+    for step in range(state.step + 1, train_to + 1):  # go on training, saving locally
+        _train(net, opt, step)
+        ck.save(step, net, opt, None, {"step": step}, local=True)
+        ck.wait()
     ck.close()
-    return state.step, state.path, _weights(net), ck.peer_bytes, "\n".join(lines)
+    return state.step, state.path, restored, ck.peer_bytes, "\n".join(lines), _weights(net)
 
 
 @pytest.fixture
@@ -98,11 +103,19 @@ def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_pat
     shutil.rmtree(tmp_path / "node0")
     shutil.rmtree(tmp_path / "node1")
     shutil.copytree(backup / "node0", tmp_path / "node1")
-    results = run_ranks(_resume, 2, base)
+    results = run_ranks(_resume, 2, base, 8)
     for step, path, weights, *_ in results:
         assert step == 5
         assert all(torch.equal(weights[k], saved[5][k]) for k in saved[5])
     assert results[0][3] > 0 and results[1][3] == 0  # rank 1 linked its own replica, rank 0 received
+    # training on from there ends where an uninterrupted run does; retention cleared the moved
+    # host's old files (rank 0's, now looked after by rank 1) along with the replicas
+    reference = run_ranks(_save, 2, str(tmp_path / "reference"), 8)[0][8]
+    assert all(torch.equal(results[0][5][k], reference[k]) for k in reference)
+    moved = _lineage_dir(tmp_path, 1)
+    assert sorted(p.name for p in moved.iterdir()) == ["step_000007", "step_000008"]
+    assert sorted(p.name for p in (moved / "step_000008").iterdir()) == [
+        "rank_00001.json", "rank_00001.safetensors", "replica_of_rank_00000"]
 
 
 def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path):
@@ -112,7 +125,7 @@ def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path)
     shutil.rmtree(tmp_path / "node2")
     results = run_ranks(_resume, 3, base)
     assert "no local checkpoint is held whole by the ranks" in results[0][4]
-    for step, path, weights, peer_bytes, _ in results:
+    for step, path, weights, peer_bytes, *_ in results:
         assert step == 2 and "/run/ckpt/step_000002" in path and peer_bytes == 0
         assert all(torch.equal(weights[k], saved[2][k]) for k in saved[2])
 

@@ -164,9 +164,19 @@ def replicate(store, name: str, rank: int, ring: Ring, group) -> int:
     return received
 
 
-def drop(store, name: str, owners) -> None:
-    """Remove the replicas of ``owners`` held in step ``name`` (retention, a failed copy)."""
+def slot_owners(local_rank: int, ranks_per_node: int, world: int) -> list[int]:
+    """The ranks whose files this rank looks after in its node's directory: those with its local
+    rank (their replicas land here; a moved host leaves their files, even a replica of this very
+    rank, here)."""
+    return [o for o in range(world) if o % ranks_per_node == local_rank]
+
+
+def drop(store, name: str, owners, own_files_too: bool = True) -> None:
+    """Remove what step ``name`` holds here of ``owners``: their replicas, and (``own_files_too``)
+    their files left in the step folder by a host that served another rank before (retention)."""
     for owner in owners:
+        if own_files_too:
+            local_tier.clear(store, name, owner)
         store.delete_prefix(f"{name}/{replica_dir(owner)}/")
         try:
             store.local_path(f"{name}/{replica_dir(owner)}").rmdir()

@@ -213,8 +213,9 @@ class CheckpointWriter:
                 self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
             else:
                 self._replicate(job, name)
-                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep,
-                                 self.ring.sources, replicas.drop)
+                env = self.ctx.env
+                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, replicas.slot_owners(
+                    env.local_rank, env.local_world_size, self.ctx.world_size), replicas.drop)
         if error is not None:
             kind, message = error
             cls = {"transient": SaveAbandoned, "user": SaveFailed}.get(kind, RuntimeError)
@@ -234,7 +235,7 @@ class CheckpointWriter:
             problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
         problems = [p for p in self._all_gather(problem) if p]
         if problems:
-            replicas.drop(self.store, name, self.ring.sources)
+            replicas.drop(self.store, name, self.ring.sources, own_files_too=False)
             if self.ctx.is_main:
                 log.warning("peer replicas of local step %d failed (%s): the step is held by its own "
                             "nodes only", job.step, problems[0])
