@@ -62,7 +62,7 @@ def _resume(rank, world, base, train_to=0):
         ck.save(step, net, opt, None, {"step": step}, local=True)
         ck.wait()
     ck.close()
-    return state.step, state.path, restored, ck.peer_bytes, "\n".join(lines), _weights(net)
+    return state.step, state.path, restored, ck.peer_bytes, "\n".join(lines), _weights(net), ck.restore_budget
 
 
 @pytest.fixture
@@ -98,6 +98,9 @@ def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_pat
     assert results[0][3] == 0 and results[1][3] > own1_size  # its piece file and marker
     assert "the pieces of rank(s) 1 came from peers (rank 1 from rank 0" in results[0][4]
     assert "0 bytes from the durable tier" in results[0][4]
+    budget = results[0][6]  # summed over the ranks, the same on each
+    assert budget["tier"] == "local" and budget["bytes"]["peers"] == results[1][3] and budget["bytes"]["durable"] == 0
+    assert budget["bytes"]["local_disk"] > 0 and budget["bytes"] == results[1][6]["bytes"]
 
     # the other order: the surviving host is now node 1 (rank 1), the replacement node 0 (rank 0)
     shutil.rmtree(tmp_path / "node0")
@@ -125,6 +128,8 @@ def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path)
     shutil.rmtree(tmp_path / "node2")
     results = run_ranks(_resume, 3, base)
     assert "no local checkpoint is held whole by the ranks" in results[0][4]
+    assert results[0][6]["tier"] == "durable" and results[0][6]["bytes"]["durable"] > 0
+    assert results[0][6]["bytes"]["peers"] == 0 == results[0][6]["bytes"]["local_disk"]
     for step, path, weights, peer_bytes, *_ in results:
         assert step == 2 and "/run/ckpt/step_000002" in path and peer_bytes == 0
         assert all(torch.equal(weights[k], saved[2][k]) for k in saved[2])

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from podtrain import __version__
@@ -175,6 +176,8 @@ class Checkpointer:
         """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
         self.peer_bytes = 0
         """Bytes of local pieces this rank received from peers in its last ``restore``."""
+        self.restore_budget: dict[str, Any] | None = None
+        """The last ``restore``: seconds, the tier, bytes by source summed over the ranks."""
 
     def _establish(self) -> RunIdentity:
         """Rank 0: the run's identity, then its leases (run directory and checkpoint location)."""
@@ -206,6 +209,29 @@ class Checkpointer:
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
                 resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
+        """See ``_restore``; also records ``restore_budget`` (seconds, bytes by source)."""
+        t0 = time.perf_counter()
+        self.bytes_read, self.peer_bytes, self._restored_local = 0, 0, False
+        state = self._restore(model, optimizer, scaler, check, resume, fresh)
+        local = state is not None and self._restored_local
+        mine = [0 if state is None else self.bytes_read, self.peer_bytes]
+        total = torch.tensor(mine, dtype=torch.int64)
+        if self._writer.group is not None:  # one small sum over the gloo group, once per start
+            dist.all_reduce(total, group=self._writer.group)
+        disk, peers = (int(v) for v in total)
+        self.restore_budget = {
+            "restore_s": time.perf_counter() - t0, "tier": None if state is None else "local" if local else "durable",
+            "bytes": {"local_disk": disk if local else 0, "peers": peers, "durable": 0 if local else disk}}
+        if state is not None and self.ctx.is_main:
+            log.info("restore took %.2f s: %.1f MB read from local disks (the pieces from peers included, "
+                     "after their transfer), %.1f MB received from peers, %.1f MB read from the durable tier",
+                     self.restore_budget["restore_s"], self.restore_budget["bytes"]["local_disk"] / 1e6,
+                     peers / 1e6, self.restore_budget["bytes"]["durable"] / 1e6)
+        return state
+
+    def _restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
+                 resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
         """Load the checkpoint ``cfg.resume`` designates into the model, optimizer and scaler on
         every rank and return the rest as a ``ResumeState``; None: start fresh.
 
@@ -225,6 +251,7 @@ class Checkpointer:
         if self.local is not None and resume == "auto":
             state, dirty = self._restore_local(model, optimizer, scaler, check)
             if state is not None:
+                self._restored_local = True
                 return state
         failed: set[str] = set()
         while True:
