@@ -11,6 +11,7 @@ participants), so ``--local-addr`` picks whether the replacement becomes node 1 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -27,10 +28,12 @@ from test_resume import OVERRIDES, assert_matches_golden, resumed_step
 
 KILLED_AT = 7
 """Rank 1 stalls after the local save of this step until the test kills its node."""
+LOCAL_TIER = ("ckpt.local_dir=${PEERS_NODE_DIR}", "ckpt.local_every=1", "ckpt.local_keep=2")
+"""Each node's local tier in the directory its agent's environment names (bench/recovery.py too)."""
 
 
-def _agent(repo: Path, run_dir: Path, data: Path, port: int, addr: str, node_dir: Path,
-           fault: str | None = None) -> subprocess.Popen:
+def agent(repo: Path, run_dir: Path, data: Path, port: int, addr: str, node_dir: Path,
+          fault: str | None = None, ckpt_args: tuple[str, ...] = LOCAL_TIER) -> subprocess.Popen:
     """One node's torchrun agent (its own session: killing the node kills the agent and its rank)."""
     node_dir.mkdir(parents=True, exist_ok=True)
     env = {**(fault_env(fault) if fault else os.environ), "PEERS_NODE_DIR": str(node_dir),
@@ -39,8 +42,7 @@ def _agent(repo: Path, run_dir: Path, data: Path, port: int, addr: str, node_dir
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodeloss",
            "--rdzv-conf", "join_timeout=60", "--max-restarts", "1", "--local-addr", addr,
            "-m", "podtrain.cli", "train", str(repo / "configs/demo.yaml"), f"run.dir={run_dir}",
-           f"data.path={data}", *OVERRIDES, "ckpt.local_dir=${PEERS_NODE_DIR}", "ckpt.local_every=1",
-           "ckpt.local_keep=2"]
+           f"data.path={data}", *OVERRIDES, *ckpt_args]
     return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
 
@@ -62,7 +64,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill_node(agent: subprocess.Popen) -> None:
+def kill_node(agent: subprocess.Popen) -> None:
     """SIGKILL a node: its agent and every process under it, at once."""
     for pid in [agent.pid, *_descendants(agent.pid)]:
         try:
@@ -71,7 +73,7 @@ def _kill_node(agent: subprocess.Popen) -> None:
             pass
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
+def finish_agents(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
     out = []
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -79,7 +81,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[i
             text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                _kill_node(q)
+                kill_node(q)
             text, _ = p.communicate()
             raise AssertionError(f"an agent did not finish within {timeout}s:\n{text[-3000:]}")
         out.append((p.returncode, text))
@@ -93,9 +95,9 @@ def test_a_replaced_node_resumes_from_its_peers_replica_with_no_durable_read(
     repo, data, run_dir = resume_golden["repo"], resume_golden["data"], tmp_path / "run"
     port = free_port()
     survivor_dir, lost_dir = tmp_path / "nodeA", tmp_path / "nodeB"
-    survivor = _agent(repo, run_dir, data, port, "127.0.0.2", survivor_dir)  # node 0: hosts the rendezvous
+    survivor = agent(repo, run_dir, data, port, "127.0.0.2", survivor_dir)  # node 0: hosts the rendezvous
     time.sleep(1.0)
-    lost = _agent(repo, run_dir, data, port, "127.0.0.3", lost_dir,
+    lost = agent(repo, run_dir, data, port, "127.0.0.3", lost_dir,
                   fault=f"stall:rank=1,step={KILLED_AT},seconds=300")
     step_dir = f"step_{KILLED_AT:06d}"
     # the survivor holds rank 1's replica of the newest local step: the node can go
@@ -103,17 +105,17 @@ def test_a_replaced_node_resumes_from_its_peers_replica_with_no_durable_read(
     while not list(survivor_dir.glob(f"*/{step_dir}/replica_of_rank_00001/rank_00001.json")):
         if time.monotonic() > deadline or survivor.poll() is not None or lost.poll() is not None:
             for p in (survivor, lost):
-                _kill_node(p)
+                kill_node(p)
             raise AssertionError(f"the replica of step {KILLED_AT} never appeared:\n" + survivor.communicate()[0][-3000:])
         time.sleep(0.05)
-    _kill_node(lost)  # the whole node: its agent and its rank
+    kill_node(lost)  # the whole node: its agent and its rank
     lost.communicate()
     shutil.rmtree(lost_dir)  # with its disk
     durable = run_dir / "ckpt"
     shutil.move(durable / "step_000006", tmp_path / "moved_step_000006")  # the durable tier is older
     (durable / "latest").write_text("step_000003\n")
-    replacement = _agent(repo, run_dir, data, port, replacement_addr, lost_dir)
-    results = _finish([survivor, replacement])
+    replacement = agent(repo, run_dir, data, port, replacement_addr, lost_dir)
+    results = finish_agents([survivor, replacement])
     out = "\n".join(text for _, text in results)
     assert [code for code, _ in results] == [0, 0], out[-4000:]
     assert resumed_step(out) == KILLED_AT, out[-4000:]
@@ -121,3 +123,6 @@ def test_a_replaced_node_resumes_from_its_peers_replica_with_no_durable_read(
     assert f"local step {KILLED_AT}: the pieces of rank(s) {replacement_rank} came from peers" in out, out[-4000:]
     assert "0 bytes from the durable tier" in out
     assert_matches_golden(resume_golden, run_dir, KILLED_AT)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    budget, = [r["recovery"] for r in records if r.get("kind") == "train" and "recovery" in r]
+    assert budget["lost_to_start_s"] > 0 and budget["total_s"] >= budget["lost_to_start_s"] + budget["startup_s"]
