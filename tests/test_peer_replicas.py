@@ -135,6 +135,22 @@ def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path)
         assert all(torch.equal(weights[k], saved[2][k]) for k in saved[2])
 
 
+def test_every_host_moved_each_rank_sends_and_receives_at_once(tmp_path):
+    """Three nodes whose hosts all moved on (rank r now runs where rank r-1 ran): every rank needs
+    another's files and gives its own, all in one round of simultaneous transfers (a cycle)."""
+    base = str(tmp_path)
+    saved = run_ranks(_save, 3, base)[0]
+    for node in range(3):
+        (tmp_path / f"node{node}").rename(tmp_path / f"was{node}")
+    for node in range(3):
+        (tmp_path / f"was{node}").rename(tmp_path / f"node{(node + 1) % 3}")
+    results = run_ranks(_resume, 3, base)
+    assert "the pieces of rank(s) 0, 1, 2 came from peers" in results[0][4]
+    for step, path, weights, peer_bytes, *_ in results:
+        assert step == 5 and peer_bytes > 0
+        assert all(torch.equal(weights[k], saved[5][k]) for k in saved[5])
+
+
 def test_ring_placement_and_source_plan():
     assert replicas.Ring.of(0, 4, 1, 8, 1) == replicas.Ring((9,), (25,))
     assert replicas.Ring.of(3, 4, 0, 2, 2) == replicas.Ring((0, 2), (4, 2))

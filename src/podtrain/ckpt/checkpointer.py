@@ -335,7 +335,7 @@ class Checkpointer:
 
     def _repair_from_peers(self, step: int, source: dict[int, int]) -> bool:
         """Every rank: the ranks missing their own pieces of local step ``step`` receive them from
-        the peers that hold them (``replicas.repair``), unless a durable checkpoint is newer.
+        the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
         False: use the durable tier (every rank alike)."""
         durable = self._rank0_decides(lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
         if durable and durable[0] > step:

@@ -250,23 +250,32 @@ def plan_sources(reports: list[list[list]], world: int) -> tuple[int, dict[int, 
 
 def repair(store, step: int, source: dict[int, int], rank: int, group) -> int:
     """Every rank: give each rank its own files of ``step`` as its own local files (received from
-    their holder, or linked from a replica folder here). Transfers run in one global order, each
-    a blocking pair, so they cannot deadlock. Bytes this rank received from peers."""
+    their holder, or linked from a replica folder here). The transfers run in rounds in which
+    every rank sends at most one owner's files and receives at most its own, all pairs of a round
+    at once (``exchange``: nonblocking, in lockstep, so they cannot deadlock). Bytes this rank
+    received from peers."""
     name = layout.step_name(step)
+    if source.get(rank) == rank:
+        prefix = where_held(store, name, rank)
+        if prefix != name:
+            _link_own(store, prefix, name, rank)
+    sends: dict[int, list[int]] = {}
+    for owner in sorted(source):
+        if source[owner] != owner:
+            sends.setdefault(source[owner], []).append(owner)
     received = 0
-    for owner in range(len(source)):
-        holder = source[owner]
-        if holder == owner == rank:
-            prefix = where_held(store, name, owner)
-            if prefix != name:
-                _link_own(store, prefix, name, owner)
-        elif holder != owner and rank in (holder, owner):
-            if rank == owner:
-                local_tier.clear(store, name, rank)
-                received += exchange(store, None, [], None, name, holder, group)
-            else:
-                prefix = where_held(store, name, owner)
-                exchange(store, prefix, files_of(store, prefix, owner), owner, None, None, group)
+    for r in range(max((len(v) for v in sends.values()), default=0)):
+        mine = sends.get(rank, [])
+        dst = mine[r] if r < len(mine) else None
+        holder = source.get(rank, rank)
+        src = holder if holder != rank and sends[holder].index(rank) == r else None
+        if dst is None and src is None:
+            continue
+        out_prefix = where_held(store, name, dst) if dst is not None else None
+        if src is not None:
+            local_tier.clear(store, name, rank)
+        received += exchange(store, out_prefix, files_of(store, out_prefix, dst) if dst is not None else [],
+                             dst, name if src is not None else None, src, group)
     return received
 
 
