@@ -127,7 +127,7 @@ def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path)
     shutil.rmtree(tmp_path / "node1")  # rank 1's part and its only replica (on node 2) are gone
     shutil.rmtree(tmp_path / "node2")
     results = run_ranks(_resume, 3, base)
-    assert "no local checkpoint is held whole by the ranks" in results[0][4]
+    assert "no local checkpoint is held whole by the ranks for 3 rank(s)" in results[0][4]
     assert results[0][6]["tier"] == "durable" and results[0][6]["bytes"]["durable"] > 0
     assert results[0][6]["bytes"]["peers"] == 0 == results[0][6]["bytes"]["local_disk"]
     for step, path, weights, peer_bytes, *_ in results:

@@ -309,9 +309,9 @@ class Checkpointer:
             local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
         plan = replicas.plan_sources(self.ctx.all_gather_object(holding), world)
         if plan is None:
-            if any(held) and self.ctx.is_main:
-                log.info("no local checkpoint is held whole by the ranks (own pieces or peer replicas): "
-                         "resuming from the durable tier")
+            if self.ctx.is_main and any(layout.parse_step(n) is not None for n in self.local.list_dirs("")):
+                log.info("no local checkpoint is held whole by the ranks for %d rank(s) (own pieces or peer "
+                         "replicas; another world size never is): resuming from the durable tier", world)
             return None, False
         step, source = plan
         if any(h != o for o, h in source.items()):
