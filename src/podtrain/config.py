@@ -359,6 +359,8 @@ def _validate_ckpt_tiers(ckpt: Any) -> None:
         raise UserError(f"config key 'ckpt.local_every' must not be negative, got {ckpt.local_every}")
     if ckpt.local_keep < 1:
         raise UserError(f"config key 'ckpt.local_keep' must be at least 1, got {ckpt.local_keep}")
+    if ckpt.local_replicas < 0:
+        raise UserError(f"config key 'ckpt.local_replicas' must not be negative, got {ckpt.local_replicas}")
     for key in ("lease_timeout_s", "save_wait_s", "max_outage_s"):
         if not getattr(ckpt, key) > 0:
             raise UserError(f"config key 'ckpt.{key}' must be positive, got {getattr(ckpt, key)}")

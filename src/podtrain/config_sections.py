@@ -195,6 +195,11 @@ class CkptSection:
     0: no local saves."""
     local_keep: int = 2
     """Keep the newest N local checkpoints on each node (at least 1)."""
+    local_replicas: int = 1
+    """With ckpt.local_dir: copy each rank's local pieces to the same local rank on the next K
+    nodes (a ring), in the background after each local save, so that a replaced node restores
+    from its peers instead of ckpt.dir; 0: no replicas. K nodes lost at once still leave a copy
+    of every piece; one node has no peers (no replicas)."""
 
 
 @dataclass

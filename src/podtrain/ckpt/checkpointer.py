@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from podtrain import __version__
-from podtrain.ckpt import layout, lineage, local_tier
+from podtrain.ckpt import layout, lineage, local_tier, replicas
 from podtrain.ckpt.lease import Lease
 from podtrain.ckpt.lineage import RunIdentity
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
@@ -177,6 +178,10 @@ class Checkpointer:
         """Checkpoints the last ``restore`` passed over (name, reason), on rank 0."""
         self.bytes_read = 0
         """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
+        self.peer_bytes = 0
+        """Bytes of local pieces this rank received from peers in its last ``restore``."""
+        self.restore_budget: dict[str, Any] | None = None
+        """The last ``restore``: seconds, the tier, bytes by source summed over the ranks."""
 
     def _establish(self) -> RunIdentity:
         """Rank 0: the run directory's lease first (nothing is written into a run another job
@@ -217,6 +222,29 @@ class Checkpointer:
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
                 resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
+        """See ``_restore``; also records ``restore_budget`` (seconds, bytes by source)."""
+        t0 = time.perf_counter()
+        self.bytes_read, self.peer_bytes, self._restored_local = 0, 0, False
+        state = self._restore(model, optimizer, scaler, check, resume, fresh)
+        local = state is not None and self._restored_local
+        mine = [0 if state is None else self.bytes_read, self.peer_bytes]
+        total = torch.tensor(mine, dtype=torch.int64)
+        if self._writer.group is not None:  # one small sum over the gloo group, once per start
+            dist.all_reduce(total, group=self._writer.group)
+        disk, peers = (int(v) for v in total)
+        self.restore_budget = {
+            "restore_s": time.perf_counter() - t0, "tier": None if state is None else "local" if local else "durable",
+            "bytes": {"local_disk": disk if local else 0, "peers": peers, "durable": 0 if local else disk}}
+        if state is not None and self.ctx.is_main:
+            log.info("restore took %.2f s: %.1f MB read from local disks (the pieces from peers included, "
+                     "after their transfer), %.1f MB received from peers, %.1f MB read from the durable tier",
+                     self.restore_budget["restore_s"], self.restore_budget["bytes"]["local_disk"] / 1e6,
+                     peers / 1e6, self.restore_budget["bytes"]["durable"] / 1e6)
+        return state
+
+    def _restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
+                 resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
         """Load the checkpoint ``cfg.resume`` designates into the model, optimizer and scaler on
         every rank and return the rest as a ``ResumeState``; None: start fresh.
 
@@ -236,6 +264,7 @@ class Checkpointer:
         if self.local is not None and resume == "auto":
             state, dirty = self._restore_local(model, optimizer, scaler, check)
             if state is not None:
+                self._restored_local = True
                 return state
         failed: set[str] = set()
         while True:
@@ -289,12 +318,24 @@ class Checkpointer:
         """Every rank: restore the newest local step every rank holds, when it is at least as new
         as the newest durable checkpoint; None: use the durable tier (all ranks agree). The flag:
         a load failed (the live state holds part of it)."""
-        held = self._agreed(self.local.url, lambda: local_tier.held_steps(self.local, self.ctx.rank,
-                                                                          self.ctx.world_size))
+        world = self.ctx.world_size
+        held, holding = self._agreed(self.local.url, lambda: (
+            local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
+        plan = replicas.plan_sources(self.ctx.all_gather_object(holding), world)
+        if plan is None:
+            if self.ctx.is_main and any(layout.parse_step(n) is not None for n in self.local.list_dirs("")):
+                log.info("no local checkpoint is held whole by the ranks for %d rank(s) (own pieces or peer "
+                         "replicas; another world size never is): resuming from the durable tier", world)
+            return None, False
+        step, source = plan
+        if any(h != o for o, h in source.items()):
+            if not self._repair_from_peers(step, source):
+                return None, False
+        else:  # nothing moves between ranks; a rank may still hold its own part as a replica here
+            self._agreed(self.local.url, lambda: replicas.repair(self.local, step, source, self.ctx.rank, None))
+        held = local_tier.held_steps(self.local, self.ctx.rank, world)
         step = local_tier.newest_common(self.ctx.all_gather_object(held))
         if step is None:
-            if any(held) and self.ctx.is_main:
-                log.info("no local checkpoint is held by every rank: resuming from the durable tier")
             return None, False
         choice = self._rank0_decides(lambda: self._local_choice(step))
         if choice is None:
@@ -305,6 +346,37 @@ class Checkpointer:
             log.warning("the local checkpoint of step %d could not be restored: trying the durable tier", step)
         self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
         return state, state is None
+
+    def _repair_from_peers(self, step: int, source: dict[int, int]) -> bool:
+        """Every rank: the ranks missing their own pieces of local step ``step`` receive them from
+        the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
+        False: use the durable tier (every rank alike)."""
+        durable = self._rank0_decides(lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
+        if durable and durable[0] > step:
+            if self.ctx.is_main:
+                log.info("local step %d (held by peers) is older than durable step %d: resuming from the "
+                         "durable tier", step, durable[0])
+            return False
+        t0 = time.perf_counter()
+        problem, got = None, 0
+        try:
+            got = replicas.repair(self.local, step, source, self.ctx.rank, self._local_writer.group)
+        except Exception as exc:  # agreed below: every rank falls back together
+            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+        reports = self.ctx.all_gather_object((problem, got))
+        problems = [p for p, _ in reports if p]
+        if problems:
+            log.warning("local step %d could not be gathered from the peers (%s): resuming from the durable "
+                        "tier", step, problems[0])
+            return False
+        self.peer_bytes = got
+        if self.ctx.is_main:
+            moved = sorted(o for o, h in source.items() if h != o)
+            log.info("local step %d: the pieces of rank(s) %s came from peers (%s; %.1f MB in %.2f s); "
+                     "0 bytes from the durable tier", step, ", ".join(map(str, moved)),
+                     ", ".join(f"rank {o} from rank {source[o]}" for o in moved),
+                     sum(g for _, g in reports) / 1e6, time.perf_counter() - t0)
+        return True
 
     def _local_choice(self, step: int) -> dict | None:
         """Rank 0: the local step unless a durable checkpoint is newer; its small files, to broadcast."""

@@ -79,20 +79,23 @@ def held_steps(store, rank: int, world: int) -> list[int]:
     for name in store.list_dirs(""):
         if layout.parse_step(name) is not None and not store.exists(f"{name}/{marker(rank)}"):
             clear(store, name, rank)
-    held = []
-    for step, name in _own_steps(store, rank):
-        try:
-            body = json.loads(store.read_bytes(f"{name}/{marker(rank)}"))
-            ok = body.get("world_size") == world and (
-                body.get("file") is None or store.size(f"{name}/{body['file']}") == body.get("bytes"))
-            if ok and rank == 0:
-                ok = layout.read_manifest(store, name).get("world_size") == world
-        except (ValueError, NotFound, StorageError, AttributeError) as exc:
-            log.warning("local checkpoint %s/%s is not usable on rank %d: %s", store.url, name, rank, exc)
-            ok = False
-        if ok:
-            held.append(step)
-    return held
+    return [step for step, name in _own_steps(store, rank) if usable(store, name, rank, world)]
+
+
+def usable(store, prefix: str, owner: int, world: int) -> bool:
+    """Whether rank ``owner``'s committed part under ``prefix`` (a step folder or a replica folder
+    in it) belongs to a run of ``world`` ranks and is whole: its marker, its piece file at the
+    marked size, and for rank 0 the manifest."""
+    try:
+        body = json.loads(store.read_bytes(f"{prefix}/{marker(owner)}"))
+        ok = body.get("world_size") == world and (
+            body.get("file") is None or store.size(f"{prefix}/{body['file']}") == body.get("bytes"))
+        if ok and owner == 0:
+            ok = layout.read_manifest(store, prefix).get("world_size") == world
+    except (ValueError, NotFound, StorageError, AttributeError) as exc:
+        log.warning("local checkpoint %s/%s is not usable for rank %d: %s", store.url, prefix, owner, exc)
+        ok = False
+    return ok
 
 
 def newest_common(held_by_rank: list[list[int]]) -> int | None:
@@ -103,15 +106,19 @@ def newest_common(held_by_rank: list[list[int]]) -> int | None:
     return max(common) if common else None
 
 
-def prune(store, rank: int, current: int, keep: int) -> None:
-    """After local step ``current``: this rank keeps its newest ``keep`` parts at or below it and
-    drops the rest (parts above it belong to a timeline this run left: the local tier is a cache,
-    nothing to move aside). A failure is a warning: the save itself succeeded."""
+def prune(store, rank: int, current: int, keep: int, others=(), drop=None) -> None:
+    """After local step ``current``: this rank keeps the newest ``keep`` steps of this node's
+    directory at or below it and drops its files of the rest (steps above it belong to a timeline
+    this run left: the local tier is a cache, nothing to move aside), with the files it looks after
+    for ``others`` (peer replicas, a moved host's files: ``drop``, ``podtrain.ckpt.replicas.drop``).
+    A failure is a warning: the save itself succeeded."""
     try:
-        steps = [s for s, _ in _own_steps(store, rank)]
+        steps = [s for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None]
         delete, abandon = layout.retention_plan(steps, current, keep, 0)
         for step in delete + abandon:
             clear(store, layout.step_name(step), rank)
+            if drop is not None:
+                drop(store, layout.step_name(step), others)
     except (OSError, StorageError) as exc:
         log.warning("pruning the local checkpoints under %s failed on rank %d: %s", store.url, rank, exc)
 

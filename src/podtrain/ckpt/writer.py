@@ -18,7 +18,8 @@ The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same
 directory that no single rank sees whole: every rank clears and later prunes only its own files,
 and commits its part with its own marker (``local_tier.marker``) after its piece file; rank 0's
 manifest holds every rank's piece table as usual. No ``latest``: a step is complete when every
-rank's marker and rank 0's manifest exist.
+rank's marker and rank 0's manifest exist. Then (``ckpt.local_replicas``) every rank copies its
+files to its peers on other nodes over the same group (``podtrain.ckpt.replicas``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from podtrain import __version__
-from podtrain.ckpt import layout, local_tier
+from podtrain.ckpt import layout, local_tier, replicas
 from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.state import to_plain
@@ -91,6 +92,9 @@ class SaveJob:
     error: BaseException | None = None
     write_s: float = 0.0
     nbytes: int = 0
+    replica_bytes: int = 0
+    """Bytes of peer replicas this rank received after a local save."""
+    replica_s: float = 0.0
 
 
 class CheckpointWriter:
@@ -114,10 +118,33 @@ class CheckpointWriter:
         if ctx.initialized and ctx.world_size > 1 and dist.is_initialized():
             self.group = dist.new_group(backend="gloo",
                                         timeout=datetime.timedelta(seconds=CKPT_GROUP_TIMEOUT_S))
+        self.ring = replicas.Ring((), ())
+        """Where this rank's local pieces are replicated (``podtrain.ckpt.replicas``)."""
+        if local and self.group is not None:
+            self.ring = self._ring()
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.last_save: dict[str, float] = {}
         """Timings of the last finished save: step, stall_s, write_s, bytes."""
+
+    def _ring(self) -> replicas.Ring:
+        """The replica ring of ``ckpt.local_replicas`` over this job's nodes (said once, on rank 0)."""
+        env, k = self.ctx.env, self.cfg.local_replicas
+        nodes, per_node = env.num_nodes, env.local_world_size
+        if k > 0 and nodes * per_node != self.ctx.world_size:
+            if self.ctx.is_main:
+                log.warning("ckpt.local_replicas=%d: the nodes run different numbers of ranks (%d ranks, "
+                            "%d per node on this one): no peer replicas", k, self.ctx.world_size, per_node)
+            return replicas.Ring((), ())
+        ring = replicas.Ring.of(env.node_rank, nodes, env.local_rank, per_node, k)
+        if self.ctx.is_main and k > 0:
+            if ring.targets:
+                log.info("local checkpoints are replicated to %d other node(s) (ckpt.local_replicas=%d, "
+                         "a ring over %d nodes)", len(ring.targets), k, nodes)
+            else:
+                log.info("ckpt.local_replicas=%d: one node, no peer replicas (a lost node loses its "
+                         "local checkpoints; restarts read ckpt.dir)", k)
+        return ring
 
     def submit(self, job: SaveJob) -> None:
         """Queue ``job`` for the background thread (started on first use); ``job.done`` tells."""
@@ -191,11 +218,39 @@ class CheckpointWriter:
             if error is not None:
                 self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
             else:
-                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep)
+                self._replicate(job, name)
+                env = self.ctx.env
+                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, replicas.slot_owners(
+                    env.local_rank, env.local_world_size, self.ctx.world_size), replicas.drop)
         if error is not None:
             kind, message = error
             cls = {"transient": SaveAbandoned, "user": SaveFailed}.get(kind, RuntimeError)
             raise cls(f"{self.tier} checkpoint of step {job.step} failed: {message}")
+
+    def _replicate(self, job: SaveJob, name: str) -> None:
+        """After a committed local save: copy every rank's files to its ring targets. A failed
+        copy is a warning (the save itself succeeded): every rank drops this step's replicas."""
+        if not self.ring.targets:
+            return
+        t0 = time.perf_counter()
+        got = 0
+        try:
+            got = replicas.replicate(self.store, name, self.ctx.rank, self.ring, self.group)
+            problem = None
+        except Exception as exc:
+            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+        problems = [p for p in self._all_gather(problem) if p]
+        if problems:
+            replicas.drop(self.store, name, self.ring.sources, own_files_too=False)
+            if self.ctx.is_main:
+                log.warning("peer replicas of local step %d failed (%s): the step is held by its own "
+                            "nodes only", job.step, problems[0])
+            return
+        job.replica_bytes = got
+        job.replica_s = time.perf_counter() - t0
+        if self.ctx.is_main:
+            log.info("local step %d replicated to %d peer node(s): %.1f MB received by rank 0 in %.2f s",
+                     job.step, len(self.ring.targets), got / 1e6, job.replica_s)
 
     def _outcome(self, fn, *args) -> tuple[str, str] | None:
         """None when ``fn(*args)`` succeeds, else ``(kind, one line naming the rank)``: kind is

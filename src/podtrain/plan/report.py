@@ -9,6 +9,7 @@ others wait for it in the sync). The first log interval holds start-up (allocati
 are later ones. A large sync wait on rank 0 means another rank was slower: the straggler fields
 (``straggler_rank``, ``busy_by_rank``) name it. Goodput is the newest record's, over every attempt
 (``train/goodput.py``: idle time between attempts is not counted), as the run's closing line said.
+Each restart's recovery budget (``recovery`` of its first train line) follows, one line each.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from podtrain.errors import UserError
 from podtrain.plan.machine import local_machine
 from podtrain.plan.planner import make_plan
 from podtrain.plan.render import duration, table
-from podtrain.train.goodput import goodput_line
+from podtrain.train.goodput import goodput_line, recovery_line
 
 COMPONENTS = ("compute", "sync wait", "data wait", "saves", "evaluation")
 
@@ -72,6 +73,7 @@ def measured_split(records: list[dict[str, Any]]) -> dict[str, Any]:
         "world_size": int(last.get("world_size") or 1),
         "goodput": None if goodput is None else {"goodput_s": goodput["goodput_s"], "step": goodput.get("step")},
         "straggler": _straggler(train),
+        "recoveries": [{"step": r.get("step"), **r["recovery"]} for r in train if isinstance(r.get("recovery"), dict)],
     }
 
 
@@ -144,7 +146,7 @@ def build_report(run_dir: Path, efficiency: float | None = None) -> dict[str, An
             "step_s": {"measured": measured["step_s"], "predicted": predicted["step_s"],
                        "ratio": measured["step_s"] / predicted["step_s"]},
             "components": rows, "furthest": worst["component"], "verdict": verdict,
-            "straggler": straggler, "goodput": measured["goodput"]}
+            "straggler": straggler, "goodput": measured["goodput"], "recoveries": measured["recoveries"]}
 
 
 def render_report(report: dict[str, Any]) -> str:
@@ -161,6 +163,7 @@ def render_report(report: dict[str, Any]) -> str:
         f"step time {duration(s['measured'])} measured, {duration(s['predicted'])} predicted "
         f"(ratio {s['ratio']:.2f})",
         goodput_line(goodput["goodput_s"]) if goodput else "goodput: n/a (not recorded)",
+        *(f"restart (first step {r['step']}): {recovery_line(r)}" for r in report.get("recoveries", [])),
         report["verdict"],
     ])
 

@@ -25,6 +25,7 @@ device sync.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -55,6 +56,13 @@ class GoodputClock:
         self.redone_steps: list[int] = []
         self._mark: float | None = None
         self._recent: dict[int, tuple[str, float]] = {}
+        self._lost_at: float | None = None
+        """The lost attempt's last log line (``time.time()``), when this attempt recovers from one."""
+        self._restore: dict[str, Any] | None = None
+        self._steps_started: float | None = None
+        self.recovery: dict[str, Any] | None = None
+        """This attempt's recovery budget once its first step is done (see the module doc)."""
+        self._recovery_written = False
 
     def load_history(self, metrics_path: Path) -> None:
         """Earlier attempts' totals (each one's last ``goodput_s``) and the restart gap."""
@@ -78,12 +86,17 @@ class GoodputClock:
                 self.prior[key] += float(seconds.get(key, 0.0))
         if last_time is not None and ended not in IDLE_AFTER:
             self.seconds["restarts"] += max(0.0, self.started - float(last_time))
+            self._lost_at = float(last_time)
+
+    def note_restore(self, budget: dict[str, Any] | None) -> None:
+        """The restore's seconds and bytes by source (``Checkpointer.restore_budget``)."""
+        self._restore = budget
 
     def start_steps(self) -> None:
         """The loop is about to take its first step: start-up ends here."""
         now = time.time()
         self.seconds["startup"] += now - self.started
-        self._mark = now
+        self._mark = self._steps_started = now
 
     def add(self, category: str, seconds: float) -> float:
         """Book ``seconds`` of a non-step activity (eval, save_stall...); returns them."""
@@ -105,6 +118,9 @@ class GoodputClock:
             category = "productive"
         self.seconds[category] += seconds
         self._recent[step] = (category, seconds)
+        if self._lost_at is not None and self.recovery is None:
+            self.recovery = recovery_budget(self._lost_at, process_start_time(), self.started,
+                                            self._steps_started or self.started, now, self._restore)
         if len(self._recent) > 10_000:
             del self._recent[min(self._recent)]
 
@@ -133,9 +149,13 @@ class GoodputClock:
 
     def record(self) -> dict[str, Any]:
         """Fields for a metrics.jsonl line."""
-        return {"goodput_s": {k: round(v, 4) for k, v in self.totals().items()},
-                "goodput_attempt_s": {k: round(v, 4) for k, v in self.seconds.items()},
-                "goodput_pct": round(self.percent(), 2), "attempt": self.attempt}
+        out = {"goodput_s": {k: round(v, 4) for k, v in self.totals().items()},
+               "goodput_attempt_s": {k: round(v, 4) for k, v in self.seconds.items()},
+               "goodput_pct": round(self.percent(), 2), "attempt": self.attempt}
+        if self.recovery is not None and not self._recovery_written:
+            out["recovery"] = self.recovery  # once: the first line after the first step
+            self._recovery_written = True
+        return out
 
     def closing_record(self, step: int, ended: str) -> dict[str, Any]:
         """The attempt's last metrics line (``kind=goodput``): its final figures and how it
@@ -155,3 +175,46 @@ def goodput_line(totals: dict[str, float], redone_steps: int = 0) -> str:
     parts = [f"{LABELS[k]} {float(totals.get(k, 0.0)):.1f} s"
              + (f" ({redone_steps} steps)" if k == "redone" and redone_steps else "") for k in CATEGORIES]
     return f"goodput {pct:.1f}%: " + ", ".join(parts)
+
+
+def process_start_time() -> float | None:
+    """When this process started (``time.time()`` scale; Linux ``/proc``), or None elsewhere."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def recovery_budget(lost_at: float, process_start: float | None, started: float, steps_started: float,
+                    first_step_done: float, restore: dict[str, Any] | None) -> dict[str, Any]:
+    """The phases of one recovery, in seconds (pure; see the module doc). ``process_start`` None
+    (not Linux): the span up to the training state's creation is one phase."""
+    out: dict[str, Any] = {"lost_at": round(lost_at, 3)}
+    if process_start is not None and lost_at <= process_start <= started:
+        out["lost_to_start_s"] = round(process_start - lost_at, 3)
+        out["start_to_group_s"] = round(started - process_start, 3)
+    else:
+        out["lost_to_group_s"] = round(started - lost_at, 3)
+    out["startup_s"] = round(steps_started - started, 3)
+    if restore:
+        out["restore_s"] = round(float(restore.get("restore_s", 0.0)), 3)
+        out["restore_bytes"] = dict(restore.get("bytes", {}))
+        out["restore_tier"] = restore.get("tier")
+    out["first_step_s"] = round(first_step_done - steps_started, 3)
+    out["total_s"] = round(first_step_done - lost_at, 3)
+    return out
+
+
+def recovery_line(budget: dict[str, Any]) -> str:
+    """``recovery 12.3 s: lost -> process start 8.1 s, ...``: one restart's budget in a line."""
+    labels = (("lost_to_start_s", "lost -> process start (detection, relaunch, rendezvous)"),
+              ("start_to_group_s", "imports + process group"), ("lost_to_group_s", "lost -> process group"),
+              ("startup_s", "start-up (model build + restore)"), ("restore_s", "of which restore"),
+              ("first_step_s", "first step"))
+    parts = [f"{label} {budget[key]:.1f} s" for key, label in labels if key in budget]
+    nbytes = budget.get("restore_bytes") or {}
+    if nbytes:
+        parts.append("restore read " + ", ".join(f"{v / 1e6:.1f} MB {k.replace('_', ' ')}" for k, v in nbytes.items()))
+    return f"recovery {budget.get('total_s', 0.0):.1f} s: " + ", ".join(parts)

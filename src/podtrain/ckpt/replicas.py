@@ -1,0 +1,291 @@
+"""Peer replicas of the node-local tier (``ckpt.local_replicas: K``) and restoring a local step from
+whoever holds its pieces.
+
+Placement: a ring over nodes. Node ``n``'s rank with local rank ``l`` sends its files of a local
+step to the rank with local rank ``l`` on each of nodes ``n+1 .. n+K`` (mod the node count), so
+any ``K`` lost nodes leave a copy of every piece. One node means no replicas (nothing survives the
+node's loss there anyway). Ranks are numbered node by node (``rank = node * ranks_per_node +
+local_rank``), as torchrun and srun's block distribution give them.
+
+A replica lives beside the holder's own files, under a name that says whose it is::
+
+    LOCAL_DIR/<lineage>/step_000120/replica_of_rank_00003/rank_00003.safetensors
+    LOCAL_DIR/<lineage>/step_000120/replica_of_rank_00003/rank_00003.json     (the marker, last)
+
+(rank 0's replicas also hold its manifest and small files). Files travel point to point over the
+local writer's gloo group in ``CHUNK_BYTES`` pieces (isend + irecv posted together, so a ring
+never deadlocks and a rank holds at most two chunks in memory), in the background thread after
+the local save committed: the step loop never waits for them.
+
+Restore (``plan_sources``, ``repair``): every rank reports the (step, owner) pieces it holds,
+own or replica, or another owner's when ranks moved between hosts; the newest step whose pieces
+the ranks hold together wins; each rank missing its own pieces receives them from a holder and
+commits them as its own files in its local directory, after which the ordinary local restore
+reads each rank's share from its own disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from podtrain.ckpt import layout, local_tier
+
+log = logging.getLogger("podtrain.checkpoint")
+
+CHUNK_BYTES = 8 << 20
+"""Bytes per point-to-point message: a rank holds at most one outgoing and one incoming chunk."""
+REPLICA_PREFIX = "replica_of_rank_"
+
+
+def replica_dir(owner: int) -> str:
+    """The folder of a step directory that holds rank ``owner``'s replica."""
+    return f"{REPLICA_PREFIX}{owner:05d}"
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Where this rank's local pieces go and whose it receives (global ranks, one per replica)."""
+
+    targets: tuple[int, ...]
+    sources: tuple[int, ...]
+
+    @classmethod
+    def of(cls, node: int, num_nodes: int, local_rank: int, ranks_per_node: int, k: int) -> "Ring":
+        """The ring over nodes (pure): ``k`` replicas, capped at the other nodes' count."""
+        k = max(0, min(k, num_nodes - 1))
+        return cls(tuple(((node + j) % num_nodes) * ranks_per_node + local_rank for j in range(1, k + 1)),
+                   tuple(((node - j) % num_nodes) * ranks_per_node + local_rank for j in range(1, k + 1)))
+
+
+def files_of(store, prefix: str, owner: int) -> list[str]:
+    """Rank ``owner``'s files of one step under ``prefix`` that exist, its marker last (the commit)."""
+    rest = [rel for rel in local_tier.own_files(owner)[1:] if store.exists(f"{prefix}/{rel}")]
+    return [*rest, local_tier.marker(owner)]
+
+
+def _chunks(store, prefix: str, rels: list[str]):
+    for rel in rels:
+        with store.open_read(f"{prefix}/{rel}") as fh:
+            while data := fh.read(CHUNK_BYTES):
+                yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _chunk_plan(files: list) -> list[tuple[int, int]]:
+    """``(file index, bytes)`` of every message that sends ``files`` (``[[name, size], ...]``)."""
+    return [(i, min(CHUNK_BYTES, size - off)) for i, (_, size) in enumerate(files)
+            for off in range(0, size, CHUNK_BYTES)]
+
+
+def _wait(reqs) -> None:
+    for req in reqs:
+        req.wait()
+
+
+def _exchange_header(header: bytes | None, dst: int | None, src: int | None, group) -> list | None:
+    """Send ``header`` to ``dst`` and receive one from ``src`` (either may be None)."""
+    out_len, in_len = torch.tensor([len(header or b"")], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    reqs = ([dist.isend(out_len, dst, group=group)] if dst is not None else []) + (
+        [dist.irecv(in_len, src, group=group)] if src is not None else [])
+    _wait(reqs)
+    body = torch.empty(int(in_len[0]), dtype=torch.uint8)
+    reqs = ([dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)]
+            if dst is not None else []) + ([dist.irecv(body, src, group=group)] if src is not None else [])
+    _wait(reqs)
+    return json.loads(body.numpy().tobytes()) if src is not None else None
+
+
+def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
+             in_prefix: str | None, src: int | None, group) -> int:
+    """Send files ``rels`` under ``out_prefix`` to rank ``dst`` while receiving another rank's
+    files from ``src`` into ``in_prefix`` (each side optional; both ranks of a pair call it).
+    Each received file is committed atomically in the sent order (the marker last). Returns the
+    bytes received; raises after the protocol ran to its end when a file could not be read or
+    written (the peer still got every chunk it expects, so no rank is left waiting)."""
+    header = None
+    if dst is not None:
+        header = json.dumps([[rel, store.size(f"{out_prefix}/{rel}")] for rel in rels]).encode()
+    incoming = _exchange_header(header, dst, src, group) or []
+    plan_in = _chunk_plan(incoming)
+    plan_out = _chunk_plan(json.loads(header)) if header else []
+    out_iter = _chunks(store, out_prefix, rels) if dst is not None else iter(())
+    failure: BaseException | None = None
+    writer, current, received, writing = None, -1, 0, True
+    for j in range(max(len(plan_in), len(plan_out))):
+        reqs = []
+        if j < len(plan_out):
+            try:
+                chunk = next(out_iter)
+                if chunk.numel() != plan_out[j][1]:
+                    raise OSError(f"{out_prefix}/{rels[plan_out[j][0]]} changed while it was being sent")
+            except Exception as exc:  # keep the peer's count of chunks: it is told below
+                failure = failure or exc
+                chunk = torch.zeros(plan_out[j][1], dtype=torch.uint8)
+            reqs.append(dist.isend(chunk, dst, group=group))
+        buf = None
+        if j < len(plan_in):
+            buf = torch.empty(plan_in[j][1], dtype=torch.uint8)
+            reqs.append(dist.irecv(buf, src, group=group))
+        _wait(reqs)
+        if buf is None or not writing:
+            continue
+        index = plan_in[j][0]
+        try:
+            if index != current:
+                writer, current = store.open_write(f"{in_prefix}/{incoming[index][0]}"), index
+            writer.write(buf.numpy())
+            received += buf.numel()
+            if writer.tell() == incoming[index][1]:
+                writer.commit()
+                writer = None
+        except Exception as exc:  # no space: receive the rest, commit nothing more
+            failure, writing = failure or exc, False
+            if writer is not None:
+                writer.abort()
+    if failure is not None:
+        raise failure
+    return received
+
+
+def replicate(store, name: str, rank: int, ring: Ring, group) -> int:
+    """After local step ``name`` committed on every rank: send this rank's files to its ring
+    targets and hold its sources' (every rank, from the background writer). Bytes received."""
+    received = 0
+    for dst, src in zip(ring.targets, ring.sources):
+        where = f"{name}/{replica_dir(src)}"
+        store.delete_prefix(f"{where}/")  # an earlier timeline's replica of this step
+        received += exchange(store, name, files_of(store, name, rank), dst, where, src, group)
+    return received
+
+
+def slot_owners(local_rank: int, ranks_per_node: int, world: int) -> list[int]:
+    """The ranks whose files this rank looks after in its node's directory: those with its local
+    rank (their replicas land here; a moved host leaves their files, even a replica of this very
+    rank, here)."""
+    return [o for o in range(world) if o % ranks_per_node == local_rank]
+
+
+def drop(store, name: str, owners, own_files_too: bool = True) -> None:
+    """Remove what step ``name`` holds here of ``owners``: their replicas, and (``own_files_too``)
+    their files left in the step folder by a host that served another rank before (retention)."""
+    for owner in owners:
+        if own_files_too:
+            local_tier.clear(store, name, owner)
+        store.delete_prefix(f"{name}/{replica_dir(owner)}/")
+        try:
+            store.local_path(f"{name}/{replica_dir(owner)}").rmdir()
+        except OSError:
+            pass
+    try:
+        store.local_path(name).rmdir()
+    except OSError:
+        pass
+
+
+# -- restore -----------------------------------------------------------------------------------------
+def where_held(store, name: str, owner: int) -> str | None:
+    """Where in this node's directory rank ``owner``'s committed files of step ``name`` are: the
+    step folder itself (its own, or a moved host's), a replica folder, or None."""
+    for prefix in (name, f"{name}/{replica_dir(owner)}"):
+        if store.exists(f"{prefix}/{local_tier.marker(owner)}"):
+            return prefix
+    return None
+
+
+def holdings(store, world: int) -> list[list]:
+    """``[[step, [owner, ...]], ...]``: every usable (step, owner) piece this node's directory
+    holds for a run of ``world`` ranks, own or replica (small: steps kept x owners on the node)."""
+    out = []
+    for name in store.list_dirs(""):
+        step = layout.parse_step(name)
+        if step is None:
+            continue
+        owners = set()
+        for entry in store.list(f"{name}/"):
+            rel = entry.name[len(name) + 1:]
+            parts = rel.split("/")
+            base = parts[-1]
+            if not (base.startswith("rank_") and base.endswith(".json")):
+                continue
+            owner = int(base[5:-5])
+            if len(parts) == 2 and parts[0] != replica_dir(owner) or len(parts) > 2:
+                continue
+            if local_tier.usable(store, "/".join([name, *parts[:-1]]), owner, world):
+                owners.add(owner)
+        if owners:
+            out.append([step, sorted(owners)])
+    return out
+
+
+def plan_sources(reports: list[list[list]], world: int) -> tuple[int, dict[int, int]] | None:
+    """The newest step whose pieces the ranks hold together, and who gives each owner's pieces:
+    the owner itself when it holds them, else the holder with the fewest sends so far (pure).
+    ``reports[r]`` is rank r's ``holdings``."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for holder, held in enumerate(reports):
+        for step, owners in held:
+            for owner in owners:
+                by_step.setdefault(step, {}).setdefault(owner, []).append(holder)
+    for step in sorted(by_step, reverse=True):
+        owners = by_step[step]
+        if len(owners) < world or any(o not in owners for o in range(world)):
+            continue
+        load: dict[int, int] = {}
+        source = {}
+        for owner in range(world):
+            holders = owners[owner]
+            holder = owner if owner in holders else min(holders, key=lambda h: (load.get(h, 0), h))
+            if holder != owner:
+                load[holder] = load.get(holder, 0) + 1
+            source[owner] = holder
+        return step, source
+    return None
+
+
+def repair(store, step: int, source: dict[int, int], rank: int, group) -> int:
+    """Every rank: give each rank its own files of ``step`` as its own local files (received from
+    their holder, or linked from a replica folder here). The transfers run in rounds in which
+    every rank sends at most one owner's files and receives at most its own, all pairs of a round
+    at once (``exchange``: nonblocking, in lockstep, so they cannot deadlock). Bytes this rank
+    received from peers."""
+    name = layout.step_name(step)
+    if source.get(rank) == rank:
+        prefix = where_held(store, name, rank)
+        if prefix != name:
+            _link_own(store, prefix, name, rank)
+    sends: dict[int, list[int]] = {}
+    for owner in sorted(source):
+        if source[owner] != owner:
+            sends.setdefault(source[owner], []).append(owner)
+    received = 0
+    for r in range(max((len(v) for v in sends.values()), default=0)):
+        mine = sends.get(rank, [])
+        dst = mine[r] if r < len(mine) else None
+        holder = source.get(rank, rank)
+        src = holder if holder != rank and sends[holder].index(rank) == r else None
+        if dst is None and src is None:
+            continue
+        out_prefix = where_held(store, name, dst) if dst is not None else None
+        if src is not None:
+            local_tier.clear(store, name, rank)
+        received += exchange(store, out_prefix, files_of(store, out_prefix, dst) if dst is not None else [],
+                             dst, name if src is not None else None, src, group)
+    return received
+
+
+def _link_own(store, prefix: str, name: str, owner: int) -> None:
+    """This rank's files held as a replica here become its own files (hard links: no copy)."""
+    local_tier.clear(store, name, owner)
+    for rel in files_of(store, prefix, owner):
+        src, dst = store.local_path(f"{prefix}/{rel}"), store.local_path(f"{name}/{rel}")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
