@@ -236,6 +236,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
         self.run_id = self.checkpointer.identity.lineage  # the run's id across its restarts
         state = restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        self.goodput.note_restore(self.checkpointer.restore_budget)  # seconds and bytes by source
         self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
         if state is not None:
             self.apply_resume(state)
