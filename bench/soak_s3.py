@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from s3_fault_proxy import S3FaultProxy  # noqa: E402
+from s3_fault_proxy import OutageDirector, S3FaultProxy  # noqa: E402
 from s3_server import restore_env, start_with_env  # noqa: E402
 
 OUTAGE_EXIT_CODE = 203
@@ -46,35 +45,6 @@ def _train_records(run_dir: Path) -> list[dict]:
         if record.get("kind") == "train":
             out.append(record)
     return out
-
-
-class _Director(threading.Thread):
-    """Starts the outage once ``start`` is logged; ends it after ``seconds`` (None: never)."""
-
-    def __init__(self, proxy: S3FaultProxy, run_dir: Path, start: int, seconds: float | None):
-        super().__init__(daemon=True)
-        self.proxy, self.run_dir, self.start_step, self.seconds = proxy, run_dir, start, seconds
-        self.began: float | None = None
-        self.ended: float | None = None
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(0.1):
-            if self.began is None:
-                if max((r["step"] for r in _train_records(self.run_dir)), default=0) >= self.start_step:
-                    self.proxy.outage(True)
-                    self.began = time.time()
-            elif self.seconds is not None and time.time() - self.began >= self.seconds:
-                self.proxy.outage(False)
-                self.ended = time.time()
-                return
-
-    def finish(self) -> None:
-        self._halt.set()
-        self.join(5)
-        self.proxy.outage(False)
-        if self.began is not None and self.ended is None:
-            self.ended = time.time()
 
 
 def s3_round(soak, data: Path, ref: dict, outage_s: float) -> dict:
@@ -99,7 +69,7 @@ def _outage_launch(soak, data, ref, server, proxy, outage_s: float) -> dict:
     run_dir = soak.work / "s3_outage"
     url = f"s3://{server.new_bucket()}/ckpt"
     proxy.fail_fraction(0.05, seed=soak.args.seed)
-    director = _Director(proxy, run_dir, max(2, soak.args.steps // 3), outage_s)
+    director = OutageDirector(proxy, run_dir, max(2, soak.args.steps // 3), min_s=outage_s)
     soak.args.set.append(f"ckpt.dir={url}")
     try:
         director.start()
@@ -134,7 +104,7 @@ def _budget_launch(soak, data, ref, server, proxy) -> dict:
     run_dir = soak.work / "s3_budget"
     url = f"s3://{server.new_bucket()}/ckpt"
     proxy.fail_fraction(0.0)
-    director = _Director(proxy, run_dir, max(2, soak.args.steps // 3), None)
+    director = OutageDirector(proxy, run_dir, max(2, soak.args.steps // 3))  # never ends by itself
     soak.args.set.extend([f"ckpt.dir={url}", "ckpt.max_outage_s=10"])
     problems = []
     try:

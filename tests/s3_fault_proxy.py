@@ -347,3 +347,58 @@ def s3_proxy(s3_server, request):
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved
+
+
+class OutageDirector(threading.Thread):
+    """Drives ``proxy`` from a run's ``metrics.jsonl``: the outage starts once step ``start_step``
+    is logged (and ``committed()`` says a checkpoint is committed, when given) and ends once
+    ``min_s`` seconds have passed and, with ``until_step``, that step is logged; ``min_s=None``:
+    it never ends by itself. ``began``/``ended`` are wall-clock times; ``finish()`` ends it."""
+
+    def __init__(self, proxy: S3FaultProxy, run_dir, start_step: int, until_step: int | None = None,
+                 min_s: float | None = None, committed=None):
+        super().__init__(daemon=True, name="s3-outage-director")
+        self.proxy, self.run_dir, self.start_step = proxy, run_dir, start_step
+        self.until_step, self.min_s = until_step, min_s
+        self.committed = committed or (lambda: True)
+        self.began: float | None = None
+        self.ended: float | None = None
+        self._halt = threading.Event()
+
+    def last_step(self) -> int:
+        """The newest step the run has logged (0: none yet)."""
+        import json
+
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return 0
+        steps = [0]
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if record.get("kind") == "train":
+                steps.append(record["step"])
+        return max(steps)
+
+    def run(self) -> None:
+        while not self._halt.wait(0.05):
+            if self.began is None:
+                if self.last_step() >= self.start_step and self.committed():
+                    self.proxy.outage(True)
+                    self.began = time.time()
+            elif (self.min_s is not None and time.time() - self.began >= self.min_s
+                  and (self.until_step is None or self.last_step() >= self.until_step)):
+                self.proxy.outage(False)
+                self.ended = time.time()
+                return
+
+    def finish(self) -> None:
+        """Stop directing and end any outage (the storage is back)."""
+        self._halt.set()
+        self.join(5)
+        self.proxy.outage(False)
+        if self.began is not None and self.ended is None:
+            self.ended = time.time()

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from multirank import run_ranks
-from s3_fault_proxy import s3_proxy  # noqa: F401 (fixture)
+from s3_fault_proxy import OutageDirector, s3_proxy  # noqa: F401 (fixture)
 from synthetic_data import make_data_dir
 
 STEPS = 60
@@ -81,39 +79,6 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-class OutageDirector(threading.Thread):
-    """Watches a run's metrics and drives the proxy: the outage from step ``start`` until step
-    ``until`` is logged and ``min_s`` have passed (``until=None``: never ends); records when."""
-
-    def __init__(self, proxy, run_dir: Path, start: int, until: int | None, min_s: float, committed=None):
-        """``committed``: a callable that says whether a checkpoint is committed yet; the outage
-        then waits for one as well (the rerun must have something to resume)."""
-        super().__init__(daemon=True)
-        self.proxy, self.run_dir, self.start_step, self.until, self.min_s = proxy, run_dir, start, until, min_s
-        self.committed = committed or (lambda: True)
-        self.began: float | None = None
-        self.ended: float | None = None
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(0.05):
-            steps = [r["step"] for r in _records(self.run_dir, "train")]
-            last = max(steps, default=0)
-            if self.began is None and last >= self.start_step and self.committed():
-                self.proxy.outage(True)
-                self.began = time.time()
-            elif (self.began is not None and self.ended is None and self.until is not None
-                  and last >= self.until and time.time() - self.began >= self.min_s):
-                self.proxy.outage(False)
-                self.ended = time.time()
-                return
-
-    def finish(self) -> None:
-        self._halt.set()
-        self.join(5)
-        self.proxy.outage(False)
-
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -142,7 +107,7 @@ def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference,
                                                                       tmp_path, repo):
     url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
     s3_proxy.fail_fraction(0.05, seed=3)  # throttling around the outage too
-    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, OUTAGE_UNTIL, OUTAGE_S)
+    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, until_step=OUTAGE_UNTIL, min_s=OUTAGE_S)
     director.start()
     try:
         codes = _train(repo, _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}"])
@@ -176,7 +141,7 @@ def test_an_outage_past_max_outage_s_stops_with_the_retryable_code_and_a_rerun_r
     def committed() -> bool:  # asked of the server itself, not through the proxy
         return any(key.endswith("/manifest.json") for key in s3_server.keys(s3_bucket))
 
-    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, None, 0.0, committed)
+    director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, committed=committed)  # never ends by itself
     director.start()
     try:
         codes = _train(repo, overrides)
