@@ -491,7 +491,7 @@ def _restore_failing_on_rank1(rank, world, run_dir):
         ckpt.save(3, model, opt, None, train_state(3))
         ckpt.wait()
         if rank == 1:  # this rank alone cannot load (e.g. a stale mount); the others must not wait
-            import podtrain.ckpt.checkpointer as module
+            import podtrain.ckpt.restore as module  # the resume half of Checkpointer
 
             def broken(*_args):
                 raise UserError("weights unreadable here")

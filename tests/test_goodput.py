@@ -97,7 +97,7 @@ def test_math_changes_are_named_and_can_be_allowed(capsys, data, tmp_path, repo,
 def _replica_check_after_restore(rank, world, run_dir, data, repo):
     import os
 
-    from podtrain.ckpt import checkpointer
+    from podtrain.ckpt import restore as checkpointer  # the resume half of Checkpointer
     from podtrain.train.loop import train as train_run
 
     os.chdir(repo)

@@ -212,7 +212,7 @@ def test_the_lease_on_s3_refuses_a_second_job_and_is_released(tmp_path, s3_bucke
 
 # -- a failure while reading one rank's share is agreed by every rank ------------------------------
 def _read_fails_on_rank1(rank, world, run_dir):
-    import podtrain.ckpt.checkpointer as checkpointer
+    import podtrain.ckpt.restore as checkpointer  # the resume half of Checkpointer
 
     if rank == 1:  # the fault: this rank's read raises a user error (e.g. its node's credentials)
         def refuse(*args, **kwargs):

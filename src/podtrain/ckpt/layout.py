@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from podtrain.ckpt.store import NotFound, open_store
+from podtrain.ckpt.store import NotFound, StorageError, open_store
+from podtrain.storage.errors import Transient
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -235,8 +236,6 @@ def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = No
                 raise
             manifest, reason = None, str(exc)
         if manifest is not None and lineage is not None:
-            from podtrain.ckpt.lineage import checkpoint_lineage  # lineage imports this module
-
             other = checkpoint_lineage(store, name, manifest)
             if other not in (None, lineage):
                 manifest, reason = None, f"it belongs to another run (lineage {other}, not {lineage})"
@@ -314,9 +313,23 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int, lineag
         remove(store, step_name(step))
 
 
-def _lineage_of(store, name: str) -> str | None:
-    from podtrain.ckpt.lineage import checkpoint_lineage  # lineage imports this module
+def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None:
+    """The run (lineage, ``podtrain.ckpt.lineage``) checkpoint ``name`` belongs to: the manifest's,
+    else (a checkpoint written before lineages) the ``run_id`` its ``state.json`` train state
+    kept (a plain string there), else None. A storage outage is raised: never a reason to skip."""
+    if manifest.get("lineage"):
+        return str(manifest["lineage"])
+    try:
+        state = json.loads(store.read_bytes(f"{name}/{STATE_JSON}"))
+        run_id = (state.get("train_state") or {}).get("run_id")
+    except Transient:
+        raise
+    except (ValueError, AttributeError, NotFound, StorageError, OSError):
+        return None
+    return str(run_id) if isinstance(run_id, str) and run_id else None
 
+
+def _lineage_of(store, name: str) -> str | None:
     try:
         return checkpoint_lineage(store, name, read_manifest(store, name))
     except ValueError:

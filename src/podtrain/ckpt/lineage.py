@@ -71,22 +71,6 @@ class RunIdentity:
         return {"lineage": self.lineage, "parent": self.parent}
 
 
-def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None:
-    """The lineage of checkpoint ``name``: the manifest's, else (a checkpoint written before
-    lineages) the ``run_id`` its train state kept, else None."""
-    if manifest.get("lineage"):
-        return str(manifest["lineage"])
-    from podtrain.ckpt.reader import peek_train_state  # the reader imports layout only
-
-    try:
-        run_id = peek_train_state(store, name, manifest).get("run_id")
-    except Transient:  # an outage is not a bad checkpoint: never skip one for it
-        raise
-    except (ValueError, KeyError, StorageError, OSError):
-        return None
-    return str(run_id) if run_id else None
-
-
 def read_json(store, name: str) -> dict[str, Any] | None:
     """A small JSON object at ``name``, or None when absent or unreadable (warned)."""
     try:
@@ -112,7 +96,7 @@ def owner_of(store) -> dict[str, Any] | None:
             raise
         except (ValueError, StorageError):
             continue
-        lineage = checkpoint_lineage(store, name, manifest)
+        lineage = layout.checkpoint_lineage(store, name, manifest)
         if lineage:
             return {"lineage": lineage, "run_dir": None, "newest_step": step}
     return None

@@ -60,8 +60,6 @@ from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy
 
 log = logging.getLogger("podtrain")
 
-STOP_SAVE_SHARE = 0.8
-"""The share of ``ckpt.grace_s`` a stop signal's save may take before it is abandoned."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -395,27 +393,11 @@ class Trainer:
         """Apply a restored checkpoint's loop state (start-up and the guard's rollback)."""
         saving.apply_resume(self, state)
 
-    def _save(self) -> float | None:
-        return saving.save(self)
-
     def _stop_for_signal(self) -> TrainResult:
-        """Checkpoint this step on every rank, then end the job with the requeue status."""
+        """Checkpoint this step on every rank (within the grace period), then end the job with
+        the requeue status."""
         self._stop_watchdog()  # the final write may take longer than a step may
-        saved = self._save() is not None
-        # Within the grace period, whatever the storage does: past it the scheduler's SIGKILL
-        # would cut the write anyway, so an unfinished save is abandoned (nothing of it commits).
-        since = self.stop_signal.seconds_since_signal() or 0.0
-        budget = max(1.0, STOP_SAVE_SHARE * self.cfg.ckpt.grace_s - since)
-        waited = self.checkpointer.wait(timeout=budget, abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2
-                                                                         * self.cfg.ckpt.grace_s))
-        saved = saved and self.checkpointer.last_save.get("step") == self.step
-        if self.ctx.is_main:  # one line for the job, not one per rank
-            if saved:
-                log.warning("%s", self.stop_signal.saved_line(self.step, waited, self.cfg.ckpt.grace_s))
-            else:
-                log.warning("stop signal: step %d could not be saved within the grace period (storage slow "
-                            "or unreachable); exiting with %d, the run resumes from its newest checkpoint",
-                            self.step, self.stop_signal.exit_code)
+        saving.save_for_stop(self)
         self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:

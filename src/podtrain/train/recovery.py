@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.ckpt.restore import ResumeState
 from podtrain.ckpt.state import capture_rng, restore_rng
 from podtrain.data.manifest import tokenizer_identity
 from podtrain.errors import UserError

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from podtrain.ckpt.checkpointer import ResumeState
+from podtrain.ckpt.restore import ResumeState
 from podtrain.ckpt.state import restore_rng
 from podtrain.config import to_dict
 from podtrain.errors import UserError
@@ -78,6 +78,31 @@ def save(trainer: Any, tier: str = "durable", must: bool = False) -> float | Non
     if trainer.saves.auto and tier == "durable":  # rank 0's measurements, so that every rank plans the same steps
         trainer.saves.saved(trainer.step, *trainer.ctx.broadcast_object((stall, trainer.goodput.step_seconds())))
     return host
+
+
+STOP_SAVE_SHARE = 0.8
+"""The share of ``ckpt.grace_s`` a stop signal's save may take before it is abandoned."""
+
+
+def save_for_stop(trainer: Any) -> bool:
+    """Every rank, after a stop signal: checkpoint this step within the grace period, whatever
+    the storage does (past it the scheduler's SIGKILL would cut the write anyway, so an unfinished
+    save is abandoned and nothing of it commits); rank 0 says how it went. True when saved."""
+    cfg = trainer.cfg.ckpt
+    saved = save(trainer) is not None
+    since = trainer.stop_signal.seconds_since_signal() or 0.0
+    budget = max(1.0, STOP_SAVE_SHARE * cfg.grace_s - since)
+    waited = trainer.checkpointer.wait(timeout=budget,
+                                       abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2 * cfg.grace_s))
+    saved = saved and trainer.checkpointer.last_save.get("step") == trainer.step
+    if trainer.ctx.is_main:  # one line for the job, not one per rank
+        if saved:
+            log.warning("%s", trainer.stop_signal.saved_line(trainer.step, waited, cfg.grace_s))
+        else:
+            log.warning("stop signal: step %d could not be saved within the grace period (storage slow "
+                        "or unreachable); exiting with %d, the run resumes from its newest checkpoint",
+                        trainer.step, trainer.stop_signal.exit_code)
+    return saved
 
 
 def should_stop(trainer: Any) -> bool:

@@ -21,7 +21,8 @@ import numpy as np
 
 from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare.parts import PART_RE, part_name
-from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty, lock_dir
+from podtrain.data.prepare.output import lock_dir
+from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty
 from podtrain.data.prepare.shards import PARTS_DIR, SHARD_RE
 from podtrain.errors import UserError
 from podtrain.storage import NotFound, Store, open_store

@@ -37,7 +37,6 @@ the tokenizer's identity and files.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -52,11 +51,12 @@ from typing import Any
 import numpy as np
 
 from podtrain.data import tokenizer as tokmod
-from podtrain.data.manifest import FORMAT, MANIFEST_NAME
+from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.data.prepare import parts, replace, reuse
 from podtrain.data.prepare.encode import Counts, EncodeSpec, make_runner, train_texts
 from podtrain.data.prepare.holdout import fallback_val_document
+from podtrain.data.prepare.output import build_manifest, lock_dir
 from podtrain.data.prepare.progress import Progress
 from podtrain.data.prepare.readers import plan_tasks
 from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread, clean_outputs, earliest,
@@ -411,20 +411,6 @@ def _train_local(opts: PrepareOptions, corpus: _Corpus) -> str:
             f"--part I), or prepare each source of a mix with --tokenizer {opts.out}")
 
 
-def lock_dir(out: Path, created: bool) -> int:
-    """An exclusive lock on DATA_DIR for this run (a file descriptor to ``os.close``): two prepares into one directory (a command run
-    on every rank, a demo started twice) would interleave their shards."""
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        if created:
-            out.rmdir()
-        raise UserError(f"--out {out}: another `podtrain prepare` is writing this directory") from None
-    return fd
-
-
 def check_not_empty(opts: PrepareOptions, tokens: dict[str, int]) -> None:
     """Refuse a result whose train split, or validation split when asked for, is empty."""
     train, val = tokens["train"], tokens.get("val", 0)
@@ -438,28 +424,3 @@ def check_not_empty(opts: PrepareOptions, tokens: dict[str, int]) -> None:
         raise _empty_corpus_error(opts, f"no document fell into the validation split "
                                   f"(--val-fraction {opts.val_fraction}); raise it, add documents, "
                                   "or pass --val-fraction 0")
-
-
-def build_manifest(opts: PrepareOptions, sources: list[Source], identity: dict[str, Any], dtype: str,
-                   shard_records: dict[str, list[dict[str, Any]]], errors: dict[str, int],
-                   recipe: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of a finished ``prepare`` run, from each split's shard done records; its
-    ``recipe`` is what a later prepare into the same folder is compared with (``replace``)."""
-    splits = {}
-    for split, records in shard_records.items():
-        shards = [{k: r[k] for k in ("file", "tokens", "documents", "sha256", "max_token_id")}
-                  for r in records]
-        splits[split] = {"tokens": sum(s["tokens"] for s in shards),
-                         "documents": sum(s["documents"] for s in shards), "shards": shards}
-    per_input: dict[str, dict[str, int]] = {}
-    for s in sources:
-        entry = per_input.setdefault(s.input, {"files": 0, "bytes": 0})
-        if s.input == "builtin":  # the built-in corpus depends on the interpreter: say which
-            entry["python"] = sys.version.split()[0]
-        entry["files"] += 1
-        entry["bytes"] += s.size
-    return {"format": FORMAT, "tokenizer": identity, "dtype": dtype, "splits": splits,
-            "val_fraction": opts.val_fraction,
-            "sources": [{"input": k, **v} for k, v in per_input.items()],
-            "errors": {"policy": opts.errors, **errors},
-            "text_field": opts.text_field, "shard_tokens": opts.shard_tokens, "recipe": recipe}

@@ -1,0 +1,371 @@
+"""The resume half of ``Checkpointer`` (``podtrain.ckpt.checkpointer``): choosing the checkpoint
+(this run's newest, else ``ckpt.resume_from``; the node-local tier and its peer replicas first),
+loading every rank's share and agreeing on the outcome, and the rank-0 decisions and all-rank
+agreements both halves use. ``RestoreMixin`` holds no state of its own: it works on the
+Checkpointer's stores, identity, writer and pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from podtrain.ckpt import layout, lineage, local_tier, replicas
+from podtrain.ckpt.load import finish, prepare, read, read_small
+from podtrain.ckpt.reader import peek_train_state
+from podtrain.ckpt.store import StorageError, open_store
+from podtrain.ckpt.tensorio import CorruptCheckpoint
+from podtrain.errors import UserError
+from podtrain.model import unwrap
+from podtrain.storage.errors import Transient
+
+log = logging.getLogger("podtrain.checkpoint")
+
+
+def _read_failure_kind(exc: BaseException) -> str:
+    """How a rank's failure to read its share is handled: "corrupt" (this checkpoint's bytes or
+    files: fall back to the previous one), "transient" (the storage: exit 203, retried later),
+    "user" (one line, exit 2) or "bug"."""
+    if isinstance(exc, Transient):
+        return "transient"
+    if isinstance(exc, (CorruptCheckpoint, OSError, EOFError, StorageError)):
+        return "corrupt"
+    return "user" if isinstance(exc, UserError) else "bug"
+
+
+@dataclass
+class ResumeState:
+    """What a restore hands back for the loop to apply (the checkpointer mutates only the model,
+    the optimizer and the scaler, which it was given)."""
+
+    path: str
+    step: int
+    tokens_seen: int = 0
+    run_id: str | None = None
+    loader: dict[str, Any] | None = None
+    """The data position (``ShardedLoader.load_state_dict``)."""
+    rng: dict[str, Any] | None = None
+    """This rank's RNG states (``state.restore_rng``); None when the world size changed."""
+    saved_world_size: int = 0
+    train_state: dict[str, Any] = field(default_factory=dict)
+    """Everything the loop saved (config, tokenizer, ...)."""
+    branch: bool = False
+    """The checkpoint is another lineage's: this run starts from it (``ckpt.resume_from``)."""
+
+
+class RestoreMixin:
+    """Resume for ``Checkpointer`` (see the module docstring)."""
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
+                resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
+        """See ``_restore``; also records ``restore_budget`` (seconds, bytes by source)."""
+        t0 = time.perf_counter()
+        self.bytes_read, self.peer_bytes, self._restored_local = 0, 0, False
+        state = self._restore(model, optimizer, scaler, check, resume, fresh)
+        local = state is not None and self._restored_local
+        mine = [0 if state is None else self.bytes_read, self.peer_bytes]
+        total = torch.tensor(mine, dtype=torch.int64)
+        if self._writer.group is not None:  # one small sum over the gloo group, once per start
+            dist.all_reduce(total, group=self._writer.group)
+        disk, peers = (int(v) for v in total)
+        self.restore_budget = {
+            "restore_s": time.perf_counter() - t0, "tier": None if state is None else "local" if local else "durable",
+            "bytes": {"local_disk": disk if local else 0, "peers": peers, "durable": 0 if local else disk}}
+        if state is not None and self.ctx.is_main:
+            log.info("restore took %.2f s: %.1f MB read from local disks (the pieces from peers included, "
+                     "after their transfer), %.1f MB received from peers, %.1f MB read from the durable tier",
+                     self.restore_budget["restore_s"], self.restore_budget["bytes"]["local_disk"] / 1e6,
+                     peers / 1e6, self.restore_budget["bytes"]["durable"] / 1e6)
+        return state
+
+    def _restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
+                 resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
+        """Load the checkpoint ``cfg.resume`` designates into the model, optimizer and scaler on
+        every rank and return the rest as a ``ResumeState``; None: start fresh.
+
+        Rank 0 chooses and broadcasts; ``check(saved train_state, step, path)`` runs on every
+        rank before anything is loaded (it may refuse); each rank reads and verifies its share;
+        when any rank's bytes fail their checks, every rank falls back to the previous checkpoint
+        (under ``auto``; an explicit ``ckpt.resume`` path is refused instead). ``resume``
+        overrides ``cfg.resume`` (a rollback).
+
+        A failed load has already written part of the checkpoint into the live tensors (each rank
+        reads straight into them: a scratch copy would double the memory), so a fall-back clears
+        the optimizer state, and a fall-back to nothing calls ``fresh()`` on every rank, which
+        must put the model's weights back to a fresh start's (``podtrain.train.recovery``).
+        """
+        resume = resume or self.cfg.resume
+        state, dirty = None, False
+        if self.local is not None and resume == "auto":
+            state, dirty = self._restore_local(model, optimizer, scaler, check)
+            if state is not None:
+                self._restored_local = True
+                return state
+        failed: set[str] = set()
+        while True:
+            if dirty:
+                optimizer.state.clear()  # partly loaded: as a fresh optimizer (or the next load) wants it
+            choice = self._rank0_decides(lambda: self._choose(resume, failed))
+            if choice is None:
+                log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", resume)
+                if dirty:
+                    self._start_over(fresh)
+                return None
+            state = self._load(choice, model, optimizer, scaler, check)
+            if state is not None:
+                return self._adopt(choice, state, optimizer)
+            dirty = True
+            if resume != "auto" or choice["key"] != "ckpt.resume":
+                raise UserError(f"{choice['key']}={choice['given']}: checkpoint {choice['where']} is "
+                                "corrupted (see above)")
+            failed.add(choice["name"])
+
+    def _adopt(self, choice: dict, state: ResumeState, optimizer: torch.optim.Optimizer) -> ResumeState:
+        """Every rank, after a load: a checkpoint of another lineage makes this run its branch
+        (recorded as the parent in RUN_DIR/lineage.json; ``ckpt.resume_from_reset`` applied)."""
+        if choice["lineage"] in (None, self.identity.lineage):
+            return state
+        state.branch = True
+        self.identity.parent = {"lineage": choice["lineage"], "step": state.step, "path": choice["where"]}
+        if self.ctx.is_main:
+            lineage.write(self.run_dir, self.identity)
+            log.info("this run (lineage %s) starts from %s (step %d of lineage %s)%s", self.identity.lineage,
+                     choice["where"], state.step, choice["lineage"],
+                     f", resetting {' and '.join(self.cfg.resume_from_reset)}" if self.cfg.resume_from_reset else "")
+        if "optimizer" in self.cfg.resume_from_reset:
+            optimizer.state.clear()  # AdamW starts its moments anew at the next step
+        if "data" in self.cfg.resume_from_reset:
+            state.loader, state.step, state.tokens_seen = None, 0, 0
+            state.train_state.pop("guard", None)  # its window names the parent's steps and data
+        self._last_step = None  # nothing of this lineage is saved yet
+        return state
+
+    def _start_over(self, fresh: Callable[[], None] | None) -> None:
+        """Every rank: undo a failed load's partial writes into the weights (``fresh``)."""
+        if fresh is None:  # a caller that cannot re-initialise must not train on a half-loaded model
+            raise RuntimeError("every checkpoint failed its checks after part of one was loaded, and "
+                               "restore() was given no fresh() to re-initialise the model")
+        log.info("re-initialising the weights: the failed load left part of a checkpoint in them")
+        fresh()
+
+    def _restore_local(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None, check: Callable | None) -> tuple[ResumeState | None, bool]:
+        """Every rank: restore the newest local step every rank holds, when it is at least as new
+        as the newest durable checkpoint; None: use the durable tier (all ranks agree). The flag:
+        a load failed (the live state holds part of it)."""
+        world = self.ctx.world_size
+        held, holding = self._agreed(self.local.url, lambda: (
+            local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
+        plan = replicas.plan_sources(self.ctx.all_gather_object(holding), world)
+        if plan is None:
+            if self.ctx.is_main and any(layout.parse_step(n) is not None for n in self.local.list_dirs("")):
+                log.info("no local checkpoint is held whole by the ranks for %d rank(s) (own pieces or peer "
+                         "replicas; another world size never is): resuming from the durable tier", world)
+            return None, False
+        step, source = plan
+        if any(h != o for o, h in source.items()):
+            if not self._repair_from_peers(step, source):
+                return None, False
+        else:  # nothing moves between ranks; a rank may still hold its own part as a replica here
+            self._agreed(self.local.url, lambda: replicas.repair(self.local, step, source, self.ctx.rank, None))
+        held = local_tier.held_steps(self.local, self.ctx.rank, world)
+        step = local_tier.newest_common(self.ctx.all_gather_object(held))
+        if step is None:
+            return None, False
+        choice = self._rank0_decides(lambda: self._local_choice(step))
+        if choice is None:
+            return None, False
+        store = local_tier.WithSmallFiles(self.local, choice.pop("files"))
+        state = self._load(choice, model, optimizer, scaler, check, store)
+        if state is None:
+            log.warning("the local checkpoint of step %d could not be restored: trying the durable tier", step)
+        self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
+        return state, state is None
+
+    def _repair_from_peers(self, step: int, source: dict[int, int]) -> bool:
+        """Every rank: the ranks missing their own pieces of local step ``step`` receive them from
+        the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
+        False: use the durable tier (every rank alike)."""
+        durable = self._rank0_decides(lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
+        if durable and durable[0] > step:
+            if self.ctx.is_main:
+                log.info("local step %d (held by peers) is older than durable step %d: resuming from the "
+                         "durable tier", step, durable[0])
+            return False
+        t0 = time.perf_counter()
+        problem, got = None, 0
+        try:
+            got = replicas.repair(self.local, step, source, self.ctx.rank, self._local_writer.group)
+        except Exception as exc:  # agreed below: every rank falls back together
+            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+        reports = self.ctx.all_gather_object((problem, got))
+        problems = [p for p, _ in reports if p]
+        if problems:
+            log.warning("local step %d could not be gathered from the peers (%s): resuming from the durable "
+                        "tier", step, problems[0])
+            return False
+        self.peer_bytes = got
+        if self.ctx.is_main:
+            moved = sorted(o for o, h in source.items() if h != o)
+            log.info("local step %d: the pieces of rank(s) %s came from peers (%s; %.1f MB in %.2f s); "
+                     "0 bytes from the durable tier", step, ", ".join(map(str, moved)),
+                     ", ".join(f"rank {o} from rank {source[o]}" for o in moved),
+                     sum(g for _, g in reports) / 1e6, time.perf_counter() - t0)
+        return True
+
+    def _local_choice(self, step: int) -> dict | None:
+        """Rank 0: the local step unless a durable checkpoint is newer; its small files, to broadcast."""
+        durable = layout.committed_steps(self.store)
+        if durable and durable[-1][0] > step:
+            log.info("local step %d is older than durable step %d: resuming from the durable tier",
+                     step, durable[-1][0])
+            return None
+        name = layout.step_name(step)
+        try:
+            manifest = layout.read_manifest(self.local, name)
+            files = {f"{name}/{rel}": read_small(self.local, name, manifest, rel) for rel in local_tier.SMALL_FILES}
+        except Transient:  # an outage is not a bad checkpoint: never skip one for it
+            raise
+        except (ValueError, StorageError) as exc:
+            log.warning("local checkpoint %s/%s is not usable: %s", self.local.url, name, exc)
+            return None
+        return {**self._choice(local_tier.WithSmallFiles(self.local, files), None, name, manifest),
+                "files": files}
+
+    def _store_of(self, choice: dict) -> Any:
+        return self.store if choice["root"] is None else open_store(choice["root"])
+
+    def _load(self, choice: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
+              scaler: torch.amp.GradScaler | None, check: Callable | None, store=None) -> ResumeState | None:
+        """Every rank: load one checkpoint (from ``store``, default the choice's); None when some
+        rank found it corrupted or missing (all agree)."""
+        store = store if store is not None else self._store_of(choice)
+        name, manifest, where = choice["name"], choice["manifest"], choice["where"]
+        step = int(manifest["step"])
+        if check is not None:
+            check(choice["train_state"], step, where)
+        t0 = time.perf_counter()
+        net = unwrap(model)
+        plan = self._agreed(where, lambda: prepare(store, name, manifest, net, optimizer,
+                                                   self.ctx.rank, self.ctx.world_size))
+        problem = None
+        try:
+            self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
+        except Exception as exc:  # every failure is agreed below: no rank may wait for one that raised
+            problem = (_read_failure_kind(exc), f"{type(exc).__name__}: {exc}")
+        reports = self.ctx.all_gather_object(problem)
+        bad = [(r, p) for r, p in enumerate(reports) if p]
+        fatal = next(((r, p) for r, p in bad if p[0] != "corrupt"), None)
+        if fatal is not None:  # not the checkpoint's bytes: falling back would not help
+            rank, (kind, why) = fatal
+            message = f"resuming from {where} failed on rank {rank}: {why}"
+            raise {"transient": lambda m: Transient(where, m), "user": UserError}.get(kind, RuntimeError)(message)
+        if bad:
+            rank, (_, why) = bad[0]
+            log.warning("checkpoint %s failed its checks on %d rank(s) (rank %d: %s): every rank falls "
+                        "back to the previous checkpoint", where, len(bad), rank, why)
+            return None
+        raw = self._agreed(where, lambda: finish(plan, net, optimizer, self._writer.group))
+        if scaler is not None and raw.get("scaler"):
+            scaler.load_state_dict(raw["scaler"])
+        self._last_step = step
+        if choice["root"] is None and store is self.store:
+            self._newest = step
+        rngs = raw.get("rng") or []
+        if len(rngs) != self.ctx.world_size and self.ctx.is_main:
+            log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
+                        "restored (data order depends only on the seed and the loader position)",
+                        where, len(rngs), self.ctx.world_size)
+        ts = raw.get("train_state") or {}
+        log.info("resumed from %s (step %d) in %.1f s, %.1f MB read by this rank", where, step,
+                 time.perf_counter() - t0, self.bytes_read / 1e6)
+        return ResumeState(path=where, step=int(ts.get("step", step)), tokens_seen=int(ts.get("tokens_seen", 0)),
+                           run_id=ts.get("run_id"), loader=ts.get("loader"),
+                           rng=rngs[self.ctx.rank] if len(rngs) == self.ctx.world_size else None,
+                           saved_world_size=len(rngs), train_state=ts)
+
+    def _choose(self, resume: str, failed: set[str]) -> dict | None:
+        """Rank 0: clean up unfinished saves of this lineage's location (its lease makes them
+        ours), then pick the checkpoint (manifest + sizes only): this lineage's newest, else the
+        ``ckpt.resume_from`` one; an explicit ``ckpt.resume`` path wins."""
+        removed = layout.clean_stale(self.store)
+        if removed:
+            log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
+        if resume == "never":
+            log.info("ckpt.resume=never: lineage %s starts fresh in %s (earlier checkpoints are left "
+                     "untouched)", self.identity.lineage, self.store.url)
+            return None
+        if resume != "auto":
+            return self._explicit("ckpt.resume", resume, failed)
+        choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True)
+        self.skipped = choice.skipped
+        if choice.name is not None:
+            return self._choice(self.store, None, choice.name, choice.manifest)
+        if self.cfg.resume_from:
+            return self._explicit("ckpt.resume_from", self.cfg.resume_from, failed)
+        return None
+
+    def _explicit(self, key: str, given: str, failed: set[str]) -> dict:
+        """Rank 0: the checkpoint a path names (a step directory, or the newest in a run or
+        checkpoint location, whatever its lineage); a one-line error when there is none."""
+        store, name = layout.resolve_resume(given, key)
+        if name is not None:
+            manifest, reason = layout.check(store, name)
+            if manifest is None:
+                raise UserError(f"{key}={given}: checkpoint is not usable: {reason}")
+            return self._choice(store, store.url, name, manifest, key, given)
+        choice = layout.find_latest(store, failed)
+        self.skipped = choice.skipped
+        if choice.name is None:
+            raise UserError(f"{key}={given}: no valid checkpoint in {store.url}")
+        return self._choice(store, store.url, choice.name, choice.manifest, key, given)
+
+    @staticmethod
+    def _choice(store, root: str | None, name: str, manifest: dict, key: str = "ckpt.resume",
+                given: str = "auto") -> dict:
+        return {"root": root, "name": name, "manifest": manifest, "where": f"{store.url}/{name}",
+                "train_state": peek_train_state(store, name, manifest), "key": key, "given": given,
+                "lineage": layout.checkpoint_lineage(store, name, manifest)}
+
+    def _rank0_decides(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
+        outcome: tuple[str, Any] | None = None
+        if self.ctx.is_main:
+            try:
+                outcome = ("ok", fn())
+            except UserError as exc:
+                outcome = ("user", exc)  # the exception itself: a storage outage keeps its exit code
+            except Exception as exc:
+                outcome = ("bug", f"{type(exc).__name__}: {exc}")
+                if not self.ctx.initialized:
+                    raise
+                log.exception("checkpoint decision failed on rank 0")
+        kind, value = self.ctx.broadcast_object(outcome)
+        if kind == "user":
+            raise value
+        if kind == "bug":
+            raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
+        return value
+
+    def _agreed(self, where: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
+        failure, result = None, None
+        try:
+            result = fn()
+        except Exception as exc:  # agreed below, so no rank waits on one that failed
+            failure = exc
+        self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+        if isinstance(failure, Transient):
+            raise failure  # retryable: exit 203, not 2
+        if isinstance(failure, UserError):
+            raise UserError(f"resuming from {where} failed: {failure}") from None
+        if failure is not None:
+            raise failure
+        return result
