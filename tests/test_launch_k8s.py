@@ -144,8 +144,8 @@ def test_pod_requests_fit_the_nodes_eks_allocatable():
             assert pods * memory_mib <= POD_SHARE * node.memory_mib, (name, gpus, asked)
             assert pods * int(asked["hugepages-2Mi"].removesuffix("Mi")) <= node.hugepages_2mi_mib, (name, gpus)
             assert memory_mib >= 0.85 * node.memory_mib * gpus / instance.gpus  # and not far below
-    # The README's table is these numbers.
-    readme = (REPO / "README.md").read_text()
+    # The docs' table (docs/clusters.md) is these numbers.
+    readme = (REPO / "docs/clusters.md").read_text()
     rows = re.findall(r"^\| ([a-z0-9.-]+)[^|]* \| [^|]+ \| [^|]+ \| ([\d.]+) / (\d+) GiB \| (\d+) CPU, (\d+Gi), "
                       r"(\d+Mi) huge pages \|$", readme, re.M)
     assert len(rows) == 3, rows

@@ -54,7 +54,7 @@ def test_the_readme_recipe_one_tokenizer_trained_once_then_every_source_prepared
     index = MixedIndex(sources.indexes)
     rows = index.gather(np.array([0, index.offsets[1]]))  # one sample of each source
     assert rows.shape == (2, 9) and rows.max() < 300 and not np.array_equal(rows[0], rows[1])
-    # ... and the mix trains (one process, two steps; the config of README's mixing example)
+    # ... and the mix trains (one process, two steps; the config of the mixing example in docs/data.md)
     run = tmp_path / "run"
     monkeypatch.chdir(repo)
     assert cli.main(["train", "configs/demo.yaml", f"run.dir={run}", "train.steps=2", "data.seq_len=16",

@@ -1,8 +1,8 @@
-"""`podtrain plan` plans the preset it is given, and the README's example is what it prints.
+"""`podtrain plan` plans the preset it is given, and the docs' example (docs/planning.md) is what it prints.
 
 Issue 30 point 4: over the demo's byte-level data (`make demo`'s data/builtin) a preset was planned
 with the data's 320-token vocabulary (llama-8b: 6,982M parameters instead of its 8,030M, and the
-README's llama-1b example, 1,235.8M, printed 973.8M).
+README's llama-1b example, 1,235.8M, printed 973.8M). The example now lives in docs/planning.md.
 """
 
 import json
@@ -14,13 +14,12 @@ import pytest
 
 from podtrain.cli import main
 
-README_SECTION = "## Plan before you pay"
+PLANNING_PAGE = "docs/planning.md"
 
 
 def readme_example(repo) -> tuple[list[str], list[str]]:
-    """The README's plan example: (argv after `podtrain`, the output lines it shows, '...' aside)."""
-    text = (repo / "README.md").read_text()
-    section = text[text.index(README_SECTION):]
+    """The planning page's example: (argv after `podtrain`, the output lines it shows, '...' aside)."""
+    section = (repo / PLANNING_PAGE).read_text()
     block = re.search(r"```\n(\$ podtrain plan .*?)```", section, re.S)[1]
     command, shown = [], []
     lines = iter(block.splitlines())
@@ -59,8 +58,8 @@ def test_the_readme_plan_example_is_what_plan_prints_after_make_demo(repo, tmp_p
     assert printed[0] == shown[0]  # the parameter count and the vocabulary's choice
     assert "1,235.8M parameters with the preset's own vocabulary (128,256)" in printed[0]
     position = 0
-    for line in shown:  # every line the README shows, in its order
-        assert line in printed[position:], f"README line not printed (in order): {line!r}"
+    for line in shown:  # every line the page shows, in its order
+        assert line in printed[position:], f"{PLANNING_PAGE} line not printed (in order): {line!r}"
         position = printed.index(line, position) + 1
 
 
