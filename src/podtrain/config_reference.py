@@ -1,9 +1,10 @@
-"""The README's table of every config key, generated from ``config.py``.
+"""The table of every config key, generated from the config dataclasses (``config_sections.py``).
 
 Each key's default comes from the dataclasses themselves and its meaning from the docstring under
-the field (read with ``ast``: Python keeps no attribute docstrings at run time). ``python -m
-podtrain.config_reference --write README.md`` rewrites the table between ``BEGIN``/``END``;
-without ``--write`` it prints the table. A test keeps README.md equal to the generated table.
+the field (read with ``ast``: Python keeps no attribute docstrings at run time). ``podtrain.docs_gen``
+writes it, one table per section, into the docs' config reference (docs/reference/config.md), and a
+test keeps that page equal to the generated one. ``python -m podtrain.config_reference`` prints the
+table; ``--write FILE`` rewrites it in place between ``BEGIN``/``END`` markers in any Markdown file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The sections of the run configuration: one dataclass per section, a docstring per key.
 
-``config.py`` reads YAML and overrides into these, checks them and writes them back; the README's
-key table is generated from the docstrings here (``config_reference.py``).
+``config.py`` reads YAML and overrides into these, checks them and writes them back; the docs'
+config reference (docs/reference/config.md) is generated from the docstrings here (``python -m
+podtrain.docs_gen``).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class DataSection:
     num_workers: int = 0
     """Worker processes building batches; 0 uses one background thread (enough for memmaps)."""
     verify: bool = True
-    """Check every shard's SHA-256 against the manifest at start (rank 0 reads all the data once:
-    turn off for very large corpora)."""
+    """Check every shard's size and SHA-256 against the manifest at start (the read is shared out:
+    each rank hashes every world_size-th shard; turn off for very large corpora)."""
     cache_dir: str = ""
     """s3:// data: local folder caching the shards' blocks (node-local disk, not shared storage);
     empty: $PODTRAIN_CACHE/data, else ~/.cache/podtrain/data."""
@@ -253,7 +254,7 @@ class DistSection:
     strategy: str = "ddp"
     """ddp (every rank holds the whole model), fsdp (weights, gradients and optimizer state
     sharded over all ranks: FSDP2), or hsdp (sharded within groups of dist.shard_size ranks,
-    replicated across the groups). See README "DDP or FSDP?"."""
+    replicated across the groups). See "DDP or FSDP?" in the docs (docs/concepts.md)."""
     shard_size: int | None = None
     """hsdp's shard group size; null: the ranks of one node (LOCAL_WORLD_SIZE)."""
 
