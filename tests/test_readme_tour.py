@@ -36,7 +36,7 @@ def tour_commands(readme: str) -> list[list[str]]:
     section = readme[start:end if end != -1 else None]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, re.S):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # a command continued with a backslash
             if line.startswith("podtrain "):
                 commands.append(shlex.split(line)[1:])
     return commands
