@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def nav_pages(nav) -> list[str]:
     return pages
 
 
-def test_every_page_is_in_the_nav_and_the_build_refuses_what_is_not(repo):
+def test_every_page_is_in_the_nav_and_strict_validation_is_on(repo):
     config = yaml.safe_load((repo / "mkdocs.yml").read_text())
     pages = nav_pages(config["nav"])
     on_disk = sorted(p.relative_to(repo / "docs").as_posix() for p in (repo / "docs").rglob("*.md"))
@@ -57,16 +58,33 @@ def test_every_page_is_in_the_nav_and_the_build_refuses_what_is_not(repo):
                                              "unrecognized_links": "warn", "anchors": "warn"}
 
 
-def test_mkdocs_build_strict_passes(repo, tmp_path):
+def mkdocs_build(root, site) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of the site at ``root`` into ``site``. Never ``--quiet``: it drops the
+    warnings before strict mode counts them, and a broken link would pass."""
     missing = [m for m in ("mkdocs", "material") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed: pip install -e '.[docs]' (the docs extra)")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-                           "--config-file", str(repo / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-                          capture_output=True, text=True, timeout=300, cwd=repo)
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(root / "mkdocs.yml"), "--site-dir", str(site)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_mkdocs_build_strict_passes(repo, tmp_path):
+    proc = mkdocs_build(repo, tmp_path / "site")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site/troubleshooting/index.html").is_file()
     assert (tmp_path / "site/reference/config/index.html").is_file()
+
+
+def test_the_strict_build_refuses_an_orphan_page_a_broken_link_and_a_missing_anchor(repo, tmp_path):
+    shutil.copytree(repo / "docs", tmp_path / "docs")
+    shutil.copy(repo / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "docs/orphan.md").write_text("# Not in the nav\n")
+    data = tmp_path / "docs/data.md"
+    data.write_text(data.read_text() + "\nSee [gone](gone.md) and [here](#no-such-heading).\n")
+    proc = mkdocs_build(tmp_path, tmp_path / "site")
+    assert proc.returncode != 0
+    assert "orphan.md" in proc.stderr and "gone.md" in proc.stderr and "no-such-heading" in proc.stderr
 
 
 def test_the_readme_is_short_and_every_link_into_the_docs_resolves(repo):
