@@ -257,13 +257,15 @@ class Choice:
 
 def check(store, name: str, listing: StepListing | None = None) -> tuple[dict[str, Any] | None, str]:
     """``(manifest, "")`` when checkpoint ``name`` is committed with every file at its size, else
-    ``(None, reason)``. Reads the manifest and one listing (``listing``'s, when it has the files:
-    then the manifest alone): cheap at any checkpoint size (the data's checksums are verified by
-    each rank as it loads its share)."""
+    ``(None, reason)``. Reads the manifest (at its listed size) and one listing of the directory
+    (``listing``'s, when it has the files): cheap at any checkpoint size (the data's checksums are
+    verified by each rank as it loads its share)."""
     entries = listing.entries(name) if listing is not None else None
+    if entries is None:
+        entries = store.list(name + "/")  # one listing: the pickle check, the manifest's and files' sizes
     refuse_pickles(store, name, entries)
     try:
-        manifest = read_manifest(store, name, listing.size(name, MANIFEST) if entries is not None else None)
+        manifest = read_manifest(store, name, next((e.size for e in entries if e.name == f"{name}/{MANIFEST}"), None))
     except ValueError as exc:
         return None, str(exc)
     problem = size_problem(store, name, manifest, entries)
