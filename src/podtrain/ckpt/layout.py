@@ -18,6 +18,13 @@ A step directory without ``manifest.json`` is a save that did not finish: never 
 by rank 0 at the next start (and at once when the save fails). Checkpoints are committed by the
 manifest object rather than a directory rename, so the same protocol works on object storage.
 Everything here runs on one process; the callers broadcast what it decides.
+
+Which step directories exist and which are committed is read from ONE listing (``scan``): on S3
+a paged LIST of ``step_`` shows every step directory's files, its manifest among them, with their
+sizes, so choosing a checkpoint, retention and the clean-up of unfinished saves send no request
+per step directory (a HEAD each, once) and the chosen checkpoint's files are checked from the
+same listing. On POSIX a stat is no request, and listing would stat every rank's file: there a
+directory read and one stat per step directory stay.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from podtrain.ckpt.store import NotFound, StorageError, open_store
+from podtrain.storage import Entry
 from podtrain.storage.errors import Transient
 from podtrain.errors import UserError
 
@@ -69,14 +77,54 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+@dataclass(frozen=True)
+class StepListing:
+    """The step directories of a checkpoint location as one look at it found them (``scan``)."""
+
+    steps: list[tuple[int, str]]
+    """``(step, directory name)`` of every step directory, oldest first."""
+    committed: list[tuple[int, str]]
+    """Those holding a manifest (committed checkpoints), oldest first."""
+    files: dict[str, list[Entry]] | None = None
+    """S3: each step directory's files (names relative to the store, sizes); None on POSIX."""
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Step directories without a manifest: saves that did not finish."""
+        done = {name for _, name in self.committed}
+        return [name for _, name in self.steps if name not in done]
+
+    def entries(self, name: str) -> list[Entry] | None:
+        """Step directory ``name``'s files as listed (None: not listed, ask the store)."""
+        return None if self.files is None else self.files.get(name, [])
+
+    def size(self, name: str, rel: str) -> int | None:
+        """The listed size of ``name/rel`` (None: not listed)."""
+        full = f"{name}/{rel}"
+        return next((e.size for e in self.entries(name) or () if e.name == full), None)
+
+
+def scan(store) -> StepListing:
+    """The step directories of ``store`` and which are committed: on S3 one paged LIST of
+    ``step_`` (the manifests are visible in it: no HEAD per directory); on POSIX a directory read
+    and a stat of each manifest (no request; listing would stat every rank's file)."""
+    if store.is_local:
+        steps = _step_dirs(store)
+        return StepListing(steps, [(s, n) for s, n in steps if store.exists(f"{n}/{MANIFEST}")])
+    files: dict[str, list[Entry]] = {}
+    for entry in store.list("step_"):
+        top, _, rest = entry.name.partition("/")
+        if rest and parse_step(top) is not None:
+            files.setdefault(top, []).append(entry)
+    steps = sorted((parse_step(n), n) for n in files)
+    committed = [(s, n) for s, n in steps if any(e.name == f"{n}/{MANIFEST}" for e in files[n])]
+    return StepListing(steps, committed, files)
+
+
 def committed_steps(store) -> list[tuple[int, str]]:
-    """``(step, directory name)`` of every committed checkpoint (manifest present), oldest first."""
-    found = []
-    for name in store.list_dirs(""):
-        step = parse_step(name)
-        if step is not None and store.exists(f"{name}/{MANIFEST}"):
-            found.append((step, name))
-    return sorted(found)
+    """``(step, directory name)`` of every committed checkpoint (manifest present), oldest first
+    (``scan``: one listing)."""
+    return scan(store).committed
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path | str]]:
@@ -139,10 +187,11 @@ class UnsafeCheckpoint(UserError):
     """The checkpoint holds a file that would have to be unpickled: refused, never opened."""
 
 
-def refuse_pickles(store, name: str) -> None:
+def refuse_pickles(store, name: str, entries: list[Entry] | None = None) -> None:
     """Raise ``UnsafeCheckpoint`` when checkpoint ``name`` holds a pickle / torch.save file (only
-    the first bytes of files other than .safetensors/.json are read, never unpickled)."""
-    for entry in store.list(name + "/"):
+    the first bytes of files other than .safetensors/.json are read, never unpickled).
+    ``entries``: its files as already listed (``StepListing.entries``), else listed here."""
+    for entry in store.list(name + "/") if entries is None else entries:
         rel = entry.name[len(name) + 1:]
         if _ALLOWED.match(rel):
             continue
@@ -153,11 +202,13 @@ def refuse_pickles(store, name: str) -> None:
                 "unpickles checkpoint files (unpickling can run arbitrary code); remove it or set ckpt.resume")
 
 
-def read_manifest(store, name: str) -> dict[str, Any]:
+def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
     """Parse checkpoint ``name``'s manifest. ValueError says what is wrong (an unfinished save, a
-    damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it."""
+    damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it. ``size``:
+    the manifest's listed size (S3: read with one GET, no HEAD)."""
     try:
-        raw = store.read_bytes(f"{name}/{MANIFEST}")
+        where = f"{name}/{MANIFEST}"
+        raw = store.read_bytes(where) if size is None else store.read_range(where, 0, size)
     except (FileNotFoundError, NotFound):
         raise ValueError("no manifest.json (the save did not finish)") from None
     try:
@@ -178,9 +229,10 @@ def read_manifest(store, name: str) -> dict[str, Any]:
     return manifest
 
 
-def size_problem(store, name: str, manifest: dict[str, Any]) -> str | None:
-    """What is wrong with the sizes of the files the manifest lists (one listing, no data read)."""
-    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
+def size_problem(store, name: str, manifest: dict[str, Any], entries: list[Entry] | None = None) -> str | None:
+    """What is wrong with the sizes of the files the manifest lists (one listing, no data read;
+    ``entries``: the files as already listed)."""
+    sizes = {e.name[len(name) + 1:]: e.size for e in (store.list(name + "/") if entries is None else entries)}
     for rel, rec in manifest["files"].items():
         if rel not in sizes:
             return f"{rel} is missing"
@@ -203,34 +255,40 @@ class Choice:
         return None if self.manifest is None else int(self.manifest["step"])
 
 
-def check(store, name: str) -> tuple[dict[str, Any] | None, str]:
+def check(store, name: str, listing: StepListing | None = None) -> tuple[dict[str, Any] | None, str]:
     """``(manifest, "")`` when checkpoint ``name`` is committed with every file at its size, else
-    ``(None, reason)``. Reads the manifest and one listing: cheap at any checkpoint size (the
-    data's checksums are verified by each rank as it loads its share)."""
-    refuse_pickles(store, name)
+    ``(None, reason)``. Reads the manifest (at its listed size) and one listing of the directory
+    (``listing``'s, when it has the files): cheap at any checkpoint size (the data's checksums are
+    verified by each rank as it loads its share)."""
+    entries = listing.entries(name) if listing is not None else None
+    if entries is None:
+        entries = store.list(name + "/")  # one listing: the pickle check, the manifest's and files' sizes
+    refuse_pickles(store, name, entries)
     try:
-        manifest = read_manifest(store, name)
+        manifest = read_manifest(store, name, next((e.size for e in entries if e.name == f"{name}/{MANIFEST}"), None))
     except ValueError as exc:
         return None, str(exc)
-    problem = size_problem(store, name, manifest)
+    problem = size_problem(store, name, manifest, entries)
     return (None, problem) if problem else (manifest, "")
 
 
 def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = None,
-                skip_unsafe: bool = False) -> Choice:
+                skip_unsafe: bool = False, listing: StepListing | None = None) -> Choice:
     """The newest committed checkpoint whose files have their sizes (``exclude``: names that
     failed to load; ``lineage``: only that run's); warns naming each one skipped. A checkpoint
     holding a pickle file is refused (``UnsafeCheckpoint``), or with ``skip_unsafe`` (a training
     run's resume: a stray file must not stop the job) skipped like a damaged one. The newest by step wins over
-    ``latest``: a kill between the manifest and the pointer leaves the pointer one behind."""
+    ``latest``: a kill between the manifest and the pointer leaves the pointer one behind.
+    ``listing``: the store's ``scan`` when the caller has one (else one is made here); an unfinished
+    save (no manifest) is passed over in silence: it is removed at the start."""
     choice = Choice()
-    steps = [(s, n) for s, n in _step_dirs(store)]
-    for _, name in reversed(steps):
+    listing = listing if listing is not None else scan(store)
+    for _, name in reversed(listing.committed):
         if name in exclude:
             choice.skipped.append((name, "failed to load"))
             continue
         try:
-            manifest, reason = check(store, name)
+            manifest, reason = check(store, name, listing)
         except UnsafeCheckpoint as exc:
             if not skip_unsafe:
                 raise
@@ -253,13 +311,12 @@ def _step_dirs(store) -> list[tuple[int, str]]:
     return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
 
 
-def clean_stale(store) -> list[str]:
-    """Remove unfinished saves (step directories without a manifest) and temporary leftovers."""
-    removed = []
-    for name in store.list_dirs(""):
-        if parse_step(name) is not None and not store.exists(f"{name}/{MANIFEST}"):
-            store.delete_prefix(name + "/")  # temporaries of its killed writers included
-            removed.append(name)
+def clean_stale(store, listing: StepListing | None = None) -> list[str]:
+    """Remove unfinished saves (step directories without a manifest) and temporary leftovers;
+    ``listing``: the store's ``scan`` when the caller has one (else one is made here)."""
+    removed = (listing if listing is not None else scan(store)).unfinished
+    for name in removed:
+        store.delete_prefix(name + "/")  # temporaries of its killed writers included
     return removed
 
 
@@ -270,33 +327,46 @@ def remove(store, name: str) -> None:
     store.delete_prefix(name + "/")
 
 
-def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: int) -> tuple[list[int], list[int]]:
+def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: int,
+                   mine: Callable[[int], bool] | None = None) -> tuple[list[int], list[int]]:
     """Which complete checkpoints to delete and which to move aside, after saving ``current``.
 
     Keep the newest ``keep_last`` (0: all) at or below ``current``, every multiple of
     ``keep_every`` (0: none), and ``current``. Steps above ``current`` belong to a timeline this run
     left (resume=never or an explicit older checkpoint): they are moved aside, not deleted, so
-    "newest" means this run's newest again. Pure: returns ``(delete, abandon)``.
+    "newest" means this run's newest again. Only the steps ``mine`` says are this run's count and
+    are touched (None: all are); it is asked lazily, newest first, only where the plan depends on
+    the answer (a step kept whoever wrote it is not asked, nor ``current``): each answer may be a
+    storage read. Pure otherwise: returns ``(delete, abandon)``, each oldest first.
     """
-    abandon = [s for s in steps if s > current]
-    mine = sorted(s for s in steps if s <= current)
-    keep = set(mine[-keep_last:]) if keep_last > 0 else set(mine)
-    if keep_every > 0:
-        keep |= {s for s in mine if s % keep_every == 0}
-    keep.add(current)
-    return [s for s in mine if s not in keep], abandon
+    ours = mine if mine is not None else (lambda step: True)
+    abandon = [s for s in sorted(steps) if s > current and ours(s)]
+    delete, kept = [], 0
+    for step in sorted((s for s in steps if s <= current), reverse=True):
+        if keep_last <= 0:
+            break  # every step at or below current is kept
+        if step == current or kept < keep_last:  # inside the newest keep_last of this run's
+            if step == current or ours(step):
+                kept += 1
+        elif not (keep_every > 0 and step % keep_every == 0) and ours(step):
+            delete.append(step)
+    return sorted(delete), abandon
 
 
-def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None = None) -> None:
+def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None = None,
+                    listing: StepListing | None = None) -> None:
     """Carry out ``retention_plan`` after saving ``current`` over the checkpoints of ``lineage``
     (None: all): delete, or move to ``abandoned/``
     (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
     through the client would move every byte through this node; a bucket with versioning keeps
-    them recoverable)."""
-    complete = [s for s, _ in committed_steps(store)]
-    if lineage is not None:  # another run's checkpoints (from before lineages) are never touched
-        complete = [s for s in complete if _lineage_of(store, step_name(s)) in (None, lineage)]
-    delete, abandon = retention_plan(complete, current, keep_last, keep_every)
+    them recoverable). One ``scan`` (``listing``, else made here); a checkpoint's lineage is read
+    (its manifest: one GET on S3) only where the plan depends on it."""
+    listing = listing if listing is not None else scan(store)
+    complete = [s for s, _ in listing.committed]
+    # another run's checkpoints (those from before lineages count as this run's) are never touched
+    mine = None if lineage is None else (
+        lambda step: _lineage_of(store, step_name(step), listing) in (None, lineage))
+    delete, abandon = retention_plan(complete, current, keep_last, keep_every, mine)
     for step in abandon:
         src = store.local_path(step_name(step))
         if src is None:
@@ -329,9 +399,10 @@ def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None
     return str(run_id) if isinstance(run_id, str) and run_id else None
 
 
-def _lineage_of(store, name: str) -> str | None:
+def _lineage_of(store, name: str, listing: StepListing | None = None) -> str | None:
+    size = listing.size(name, MANIFEST) if listing is not None and listing.files is not None else None
     try:
-        return checkpoint_lineage(store, name, read_manifest(store, name))
+        return checkpoint_lineage(store, name, read_manifest(store, name, size))
     except ValueError:
         return None
 

@@ -295,7 +295,8 @@ class RestoreMixin:
         """Rank 0: clean up unfinished saves of this lineage's location (its lease makes them
         ours), then pick the checkpoint (manifest + sizes only): this lineage's newest, else the
         ``ckpt.resume_from`` one; an explicit ``ckpt.resume`` path wins."""
-        removed = layout.clean_stale(self.store)
+        listing = layout.scan(self.store)  # one listing for the clean-up and the choice (S3: one LIST)
+        removed = layout.clean_stale(self.store, listing)
         if removed:
             log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
         if resume == "never":
@@ -304,7 +305,8 @@ class RestoreMixin:
             return None
         if resume != "auto":
             return self._explicit("ckpt.resume", resume, failed)
-        choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True)
+        choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True,
+                                    listing=listing)
         self.skipped = choice.skipped
         if choice.name is not None:
             return self._choice(self.store, None, choice.name, choice.manifest)

@@ -29,7 +29,10 @@ is the concatenation of its shards in order. ``documents`` counts the EOS ids in
 A shard's ``file`` may name a folder (``parts/00001-of-00004/train_00000.bin``: a merged
 ``prepare --num-parts``). ``DATA_DIR`` may be ``s3://bucket/prefix``: the manifest, tokenizer and
 shards are then read through ``podtrain.storage`` (the loader's shard reads go through
-``data/cache.py``).
+``data/cache.py``). A run's start lists such a prefix once (``read_manifest(..., list_files=True)``:
+one paged LIST, then the manifest read at its listed size, no HEAD) and the ``Manifest`` carries
+those sizes, so every split, ``data.verify`` and, broadcast by rank 0 (``data/sources.py``), every
+other rank check the shards without another request.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ class Manifest:
 
     root: Path | RemotePath
     raw: dict[str, Any]
+    sizes: dict[str, int] | None = None
+    """Bytes of every file under an S3 ``root`` as one listing found them, by name relative to the
+    root (``read_manifest(..., list_files=True)``); None: not listed (local data is stat-ed)."""
 
     @property
     def is_remote(self) -> bool:
@@ -147,7 +153,10 @@ class Manifest:
     def read_file(self, name: str) -> bytes:
         """A file of the data directory (a tokenizer file); a missing one is a one-line error."""
         try:
-            return self.store().read_bytes(name)
+            store = self.store()
+            if self.sizes is not None and name in self.sizes:  # listed: a GET alone, no HEAD
+                return store.read_range(name, 0, self.sizes[name])
+            return store.read_bytes(name)
         except NoSuchBucket:
             raise
         except NotFound:
@@ -216,13 +225,25 @@ def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
-def read_manifest(data_dir: str | Path) -> Manifest:
-    """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error."""
+def read_manifest(data_dir: str | Path, list_files: bool = False) -> Manifest:
+    """Open ``DATA_DIR/manifest.json``; a missing or malformed one is a one-line user error.
+
+    ``list_files`` (S3): list the whole prefix first, one paged LIST, and keep every file's size
+    in the manifest (``Manifest.sizes``): the manifest is then read at its listed size (a GET, no
+    HEAD) and nothing of the directory is listed again (``shard_sizes``)."""
+    sizes = None
     if is_s3_url(data_dir):
         root: Path | RemotePath = RemotePath(str(data_dir).rstrip("/"))
         path = root / MANIFEST_NAME
         try:
-            text = open_store(root).read_bytes(MANIFEST_NAME).decode("utf-8", "replace")
+            store = open_store(root)
+            if list_files:
+                sizes = {e.name: e.size for e in store.list()}
+                if MANIFEST_NAME not in sizes:
+                    raise NotFound(str(path), "not found")
+                text = store.read_range(MANIFEST_NAME, 0, sizes[MANIFEST_NAME]).decode("utf-8", "replace")
+            else:
+                text = store.read_bytes(MANIFEST_NAME).decode("utf-8", "replace")
         except NoSuchBucket:
             raise
         except NotFound:
@@ -247,7 +268,7 @@ def read_manifest(data_dir: str | Path) -> Manifest:
             raise UserError(f"{path}: missing key {key!r}")
     if raw["dtype"] not in DTYPES:
         raise UserError(f"{path}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
-    return Manifest(root=root, raw=raw)
+    return Manifest(root=root, raw=raw, sizes=sizes)
 
 
 def verify_shards(manifest: Manifest, splits: list[str] | None = None,
@@ -276,9 +297,12 @@ def verify_shards(manifest: Manifest, splits: list[str] | None = None,
 
 
 def shard_sizes(manifest: Manifest, shards: list[Shard]) -> dict[str, int]:
-    """``{shard.name: bytes}`` of the shards that exist: ``stat`` locally, one listing on S3."""
+    """``{shard.name: bytes}`` of the shards that exist: ``stat`` locally; on S3 the sizes the
+    manifest was listed with (``Manifest.sizes``: no request), else one listing."""
     if manifest.is_remote:
-        return {e.name: e.size for e in manifest.store().list()}
+        listed = manifest.sizes if manifest.sizes is not None else \
+            {e.name: e.size for e in manifest.store().list()}
+        return {s.name: listed[s.name] for s in shards if s.name in listed}
     sizes = {}
     for shard in shards:
         try:
@@ -293,7 +317,8 @@ def _sha256(manifest: Manifest, shard: Shard, chunk: int = 1 << 22) -> str:
     if not manifest.is_remote:
         return sha256_file(shard.path, chunk)
     digest = hashlib.sha256()
-    for piece in manifest.store().iter_chunks(shard.name, chunk):
+    size = shard.tokens * manifest.dtype.itemsize  # checked against the listing first: no HEAD
+    for piece in manifest.store().iter_chunks(shard.name, chunk, size=size):
         digest.update(piece)
     return digest.hexdigest()
 

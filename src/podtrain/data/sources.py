@@ -4,12 +4,18 @@
 (one line naming both and the command that fixes it), checks the ids against the model's vocabulary and cuts each split into
 samples (``SampleIndex``). ``MixedIndex`` lays the sources' samples end to end in one global id
 space, which the blend (``data/mixture.py``) draws from.
+
+At job scale the start must not send S3 a request per rank: ``shared_manifests`` has rank 0 read
+every S3 source once (one paged LIST of its prefix and one GET of its manifest, for all splits
+and ``data.verify`` together) and hands the result to every rank in one broadcast, so the
+requests at start are the same at 1 rank and at 512 (512 ranks listing one prefix in the same
+second would be throttled: S3 serves a few thousand requests per second per prefix).
 """
 
 from __future__ import annotations
 
 import shlex
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -20,6 +26,10 @@ from podtrain.data.mixture import SourceSpec, parse_mix
 from podtrain.data.samples import SampleIndex
 from podtrain.distributed.env import ClusterEnv
 from podtrain.errors import UserError
+from podtrain.storage import is_s3_url
+
+if TYPE_CHECKING:
+    from podtrain.distributed.group import DistContext
 
 
 def check_one_tokenizer(specs: Sequence[SourceSpec], manifests: Sequence[Manifest]) -> None:
@@ -49,6 +59,30 @@ def reprepare_command(manifest: Manifest, tokenizer_from: str) -> str:
     if (raw.get("errors") or {}).get("policy", "strict") != "strict":
         words += ["--errors", str(raw["errors"]["policy"])]
     return " ".join(w if w == "INPUT..." else shlex.quote(w) for w in words) + " --force"
+
+
+def read_remote_manifests(specs: Sequence[SourceSpec]) -> list[Manifest | None]:
+    """The manifests of the S3 sources, each listed with its directory's file sizes (one LIST and
+    one GET per distinct prefix); None for a local source (each rank reads its own disk: node-local
+    copies must be checked on every node)."""
+    read: dict[str, Manifest] = {}
+    for spec in specs:
+        if is_s3_url(spec.path) and spec.path not in read:
+            read[spec.path] = read_manifest(spec.path, list_files=True)
+    return [read.get(spec.path) for spec in specs]
+
+
+def shared_manifests(data: Any, ctx: "DistContext") -> list[Manifest | None]:
+    """Every rank: the manifests of ``data``'s S3 sources (``read_remote_manifests``) as rank 0
+    read them, in ``data.mix`` order (``DataSources.from_config``'s ``manifests``). Rank 0 alone
+    sends requests; one broadcast hands them to all ranks (``ctx``: the job's ``DistContext``; one
+    process: read here). A failure on rank 0 (a missing manifest, a missing bucket) raises on every
+    rank (``DistContext.agree_on``), so none waits in the broadcast."""
+    specs = parse_mix(data.mix, data.path)
+    if not any(is_s3_url(spec.path) for spec in specs):
+        return [None] * len(specs)  # nothing to share: no collective (every rank decides alike)
+    mine = ctx.agree_on(lambda: read_remote_manifests(specs) if ctx.is_main else None)
+    return ctx.broadcast_object(mine)
 
 
 class MixedIndex:
@@ -88,24 +122,29 @@ class DataSources:
         specs: the sources (``parse_mix``).
         seq_len: tokens per training sequence.
         split: the split to cut into samples (``train``).
-        manifests: already-read manifests, in ``specs`` order (else read here).
+        manifests: already-read manifests, in ``specs`` order (``shared_manifests``); a source
+            without one (None, or no list) is read here, an S3 one with its listing.
     """
 
     def __init__(self, specs: Sequence[SourceSpec], seq_len: int, split: str = "train",
-                 manifests: Sequence[Manifest] | None = None):
+                 manifests: Sequence[Manifest | None] | None = None):
         self.specs = list(specs)
         self.seq_len = seq_len
-        self.manifests = list(manifests) if manifests is not None else [read_manifest(s.path) for s in self.specs]
+        given = list(manifests) if manifests is not None else [None] * len(self.specs)
+        self.manifests = [m if m is not None else read_manifest(s.path, list_files=True)
+                          for s, m in zip(self.specs, given)]
         check_one_tokenizer(self.specs, self.manifests)
         self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
         self.vocab_limit: int | None = None  # the model's vocabulary, once check_vocab has run
         self.cache = CacheSpec("", 0)
 
     @classmethod
-    def from_config(cls, data, split: str = "train") -> "DataSources":
+    def from_config(cls, data, split: str = "train",
+                    manifests: Sequence[Manifest | None] | None = None) -> "DataSources":
         """The sources of a ``DataSection``: ``data.mix``, else ``data.path`` alone; S3 sources are
-        cached under ``data.cache_dir`` within ``data.cache_gb`` per node."""
-        sources = cls(parse_mix(data.mix, data.path), data.seq_len, split)
+        cached under ``data.cache_dir`` within ``data.cache_gb`` per node. ``manifests``: what
+        ``shared_manifests`` handed this rank (a job's start: no request of its own)."""
+        sources = cls(parse_mix(data.mix, data.path), data.seq_len, split, manifests)
         env = ClusterEnv.detect()
         sources.use_cache(CacheSpec(data.cache_dir, int(data.cache_gb * 1e9), env.local_rank, env.local_world_size))
         return sources
@@ -146,7 +185,8 @@ class DataSources:
             index.vocab_limit = model_vocab_size
 
     def verify(self, part: tuple[int, int] = (0, 1)) -> None:
-        """Check shard sizes and checksums of every source (``verify_shards``'s ``part``)."""
+        """Check shard sizes and checksums of every source (``verify_shards``'s ``part``); the
+        sizes are the manifests' listings (no LIST), the checksums read this rank's part."""
         for manifest in self.manifests:
             verify_shards(manifest, part=part)
 

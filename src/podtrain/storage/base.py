@@ -130,11 +130,13 @@ class Store(abc.ABC):
         """The whole of ``name``."""
         return self.read_range(name, 0, self.size(name))
 
-    def iter_chunks(self, name: str, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
-        """``name`` in consecutive chunks of ``chunk_bytes`` (the last one shorter)."""
+    def iter_chunks(self, name: str, chunk_bytes: int = 8 << 20, size: int | None = None) -> Iterator[bytes]:
+        """``name`` in consecutive chunks of ``chunk_bytes`` (the last one shorter). ``size``: its
+        size when already known (a listing): no request asks for it (S3: no HEAD); a file of
+        another size then fails its last read (shorter) or is read only up to ``size``."""
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
-        total = self.size(name)
+        total = self.size(name) if size is None else size
         for offset in range(0, total, chunk_bytes):
             yield self.read_range(name, offset, min(chunk_bytes, total - offset))
 

@@ -27,6 +27,7 @@ from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, blend_entropy
 from podtrain.data.mixture import ledger_fields, ledger_line
+from podtrain.data.sources import shared_manifests
 from podtrain.distributed import fd_limit
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext, cap_cpu_threads, collective_timeout, process_group
@@ -167,7 +168,8 @@ class Trainer:
         """
         cfg, ctx = self.cfg, self.ctx
         self._start_watchdog()
-        ctx.agree_on(self._setup_local)
+        manifests = shared_manifests(cfg.data, ctx)  # S3 data: rank 0 lists and reads, all receive
+        ctx.agree_on(lambda: self._setup_local(manifests))
         if cfg.data.verify:  # each rank hashes every world_size-th shard: the read is shared out
             ctx.agree_on(lambda: self.loader.sources.verify(part=(ctx.rank, ctx.world_size)))
         if cfg.dist.strategy == "ddp":  # fsdp/hsdp: every rank's shards come from rank 0's model
@@ -195,13 +197,14 @@ class Trainer:
                                      ctx.device, cfg.profile.cuda_memory)
         self._log_start()
 
-    def _setup_local(self) -> None:
-        """Everything without a collective: data, model, optimizer; raises on a user mistake."""
+    def _setup_local(self, manifests: list | None = None) -> None:
+        """Everything without a collective: data, model, optimizer; raises on a user mistake.
+        ``manifests``: the S3 sources' as rank 0 read them (``shared_manifests``)."""
         cfg, ctx = self.cfg, self.ctx
         writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
         fd_limit.ensure(ctx.world_size, fd_limit.gloo_groups(bool(cfg.ckpt.local_dir)),
                         ctx.env.hostname)
-        checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device)
+        checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device, manifests=manifests)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded
         self.loader = ShardedLoader(

@@ -46,19 +46,21 @@ class CheckedRun:
 
 
 def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
-              device: torch.device, device_bytes: int | None = None) -> CheckedRun:
+              device: torch.device, device_bytes: int | None = None,
+              manifests: list | None = None) -> CheckedRun:
     """The checks one process can make alone, raising a one-line UserError on a mistake: the
     batch arithmetic, the data (manifest, vocabulary, enough tokens per split), the model preset
     and whether the job fits one device's memory (``device_bytes``, else the device's own): the
     check ``podtrain plan`` and the cluster launchers make (``plan.fit.check_memory``), which also
     decides FSDP's accumulation mode. Every rank runs it at start, and ``launch local`` runs it
-    before starting torchrun, so a mistake is one line, not a worker failure."""
+    before starting torchrun, so a mistake is one line, not a worker failure. ``manifests``: the
+    S3 sources' manifests rank 0 read for every rank (``data.sources.shared_manifests``)."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     for line in config_warnings(cfg):
         # INFO: what every rank finds alike is said once, by rank 0 (the others log WARNING up).
         log.info("warning: %s", line)
     resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
-    sources = DataSources.from_config(cfg.data)  # enough tokens, shards present and whole
+    sources = DataSources.from_config(cfg.data, manifests=manifests)  # enough tokens, shards present and whole
     manifest = sources.manifest
     vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
     sources.check_vocab(vocab)
