@@ -25,11 +25,12 @@ PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgro
 
 install: $(STAMP)
 
+# torch with pip (pip's configuration may point at a local CPU wheel), the rest with uv (parallel
+# downloads and installs: seconds from a warm cache, where pip takes ~100 s), which keeps the torch
+# just installed (the pin on its command line); pip does it where uv cannot (no PyPI, no uv wheel).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
-	# The rest with uv (parallel downloads and installs: seconds from a warm cache, where pip takes
-	# ~100 s); it keeps the torch just installed (the pin). pip does it where uv cannot (no PyPI).
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]' '$(TORCH_SPEC)' \
 	  || $(PY) -m pip install -q -e '.[test]'
 	@rm -f $(VENV)/.installed-*
