@@ -2,8 +2,8 @@
 #   make demo   install, prepare the built-in corpus, 2-process DDP pre-training on this machine
 #   make test   install, then the whole test suite, in parallel (pytest-xdist), slowest tests listed
 #   make check  the fast tier for the inner loop (~1 min): every test but those marked e2e (torchrun
-#               subprocesses), cluster (real Slurm, network namespaces) or slow (trainings of
-#               seconds and more); `pytest -m "not e2e and not cluster and not slow"` by hand
+#               subprocesses), cluster (real Slurm, network namespaces) or slow (1.5 s of CPU
+#               and more: trainings, lm-eval, pip); `pytest -m "not e2e and not cluster and not slow"` by hand
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned (an open range lets pip pick the newest, multi-GB CUDA build). Where a local

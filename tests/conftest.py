@@ -182,6 +182,18 @@ def hyperpod_resolution(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def builtin_corpus(tmp_path_factory) -> Path:
+    """`podtrain prepare builtin` (bytes), prepared once per session (once per xdist worker), in this
+    process (no interpreter to start), for the tests that only read it: a run writes under run.dir,
+    never into its data directory."""
+    from podtrain.cli import main
+
+    out = tmp_path_factory.mktemp("builtin") / "builtin"
+    assert main(["prepare", "builtin", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def resume_golden(tmp_path_factory):
     """test_resume's uninterrupted 2-rank run (a real torchrun, ~30 s of CPU), made once per session:
     test_resume's golden resumes and test_soak's reference both compare with it."""
