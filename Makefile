@@ -1,6 +1,9 @@
 # podtrain: two commands from a fresh clone.
 #   make demo   install, prepare the built-in corpus, 2-process DDP pre-training on this machine
-#   make test   install, then the whole test suite
+#   make test   install, then the whole test suite, in parallel (pytest-xdist), slowest tests listed
+#   make check  the fast tier for the inner loop (~1 min): every test but those marked e2e (torchrun
+#               subprocesses), cluster (real Slurm, network namespaces) or slow (1.5 s of CPU
+#               and more: trainings, lm-eval, pip); `pytest -m "not e2e and not cluster and not slow"` by hand
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned (an open range lets pip pick the newest, multi-GB CUDA build). Where a local
@@ -12,14 +15,24 @@ NPROC ?= 2
 # The stamp names the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
 
-.PHONY: install demo test bench clean
+# Test workers: one per usable core (a container's or taskset's share), at most 8 (each worker's
+# trainings start 2-4 ranks of their own). --dist loadgroup keeps the tests that share a trained run,
+# and the Slurm and network-namespace tests, on one worker each (tests/conftest.py).
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0))))' 2>/dev/null || echo 2)
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+.PHONY: install demo test check bench clean
 
 install: $(STAMP)
 
+# torch with pip (pip's configuration may point at a local CPU wheel), the rest with uv (parallel
+# downloads and installs: seconds from a warm cache, where pip takes ~100 s), which keeps the torch
+# just installed (the pin on its command line); pip does it where uv cannot (no PyPI, no uv wheel).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]' '$(TORCH_SPEC)' \
+	  || $(PY) -m pip install -q -e '.[test]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -31,7 +44,10 @@ demo: install
 	$(VENV)/bin/podtrain sample runs/demo --prompt "$$(printf '\ndef ')" --max-new-tokens 300
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	$(PYTEST) --durations=15
+
+check: install
+	$(PYTEST) -m "not e2e and not cluster and not slow"
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -42,12 +42,64 @@ def s3_bucket(s3_server) -> str:
     return s3_server.new_bucket()
 
 
+# -- running in parallel (pytest-xdist: `make test` and `make check` pass -n and --dist loadgroup) ---
+# Under --dist loadgroup every test may land on any worker, except tests with the same xdist_group,
+# which share one. Groups are given here, from what a test uses, so a new test file needs no mark:
+# - "cluster": the real-Slurm and network-namespace tests (marked `cluster`): daemons, namespaces and
+#   two-node trainings that would each want the whole machine, one after another on one worker;
+# - "resume_golden": the tests that read the session's uninterrupted torchrun run (resume_golden
+#   below), so it is trained once, not once per worker;
+# - "<module>::<fixture>": the tests sharing a module-scoped fixture they ask for (a trained run, a
+#   prepared corpus), so it is built once. Autouse module fixtures (import warm-ups) group nothing.
+# Heavy tests (marked e2e, cluster or slow) are handed out first, so that the last minutes are not one
+# worker finishing a long test while the other idles.
+SHARED_SESSION_FIXTURES = ("resume_golden",)
+
+
+def xdist_group_of(item) -> str | None:
+    """The xdist group ``item`` must share a worker with, or None when it may run anywhere."""
+    if item.get_closest_marker("cluster"):
+        return "cluster"
+    for name in SHARED_SESSION_FIXTURES:
+        if name in item.fixturenames:
+            return name
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    autouse = set(info.initialnames) - set(info.argnames)
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name) or ()
+        if name not in autouse and defs and defs[-1].scope == "module":
+            return f"{item.module.__name__}::{name}"
+    return None
+
+
+def _heavy(item) -> bool:
+    return any(item.get_closest_marker(m) for m in ("cluster", "e2e", "slow"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(session, config, items):
+    """Group and order the tests for xdist (see above); start the HyperPod resolution when its
+    test is selected."""
+    if getattr(config.option, "dist", "no") != "no" or os.environ.get("PYTEST_XDIST_WORKER"):
+        for item in items:
+            group = xdist_group_of(item)
+            if group and not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=lambda item: not _heavy(item))  # stable: heavy ones first, in file order
+    if any(item.name == HYPERPOD_TEST for item in items):
+        start_hyperpod_resolution()
+
+
 # -- work that waits on the network, started when the session starts -----------------------------
 # Resolving a HyperPod image (pip against the real index) spends ~30 s waiting on the network and
 # little CPU: started in the background as soon as the test that checks it is collected, it overlaps
 # with the suite instead of adding to it. The test reads the result (tests/test_launch_k8s.py).
+# Under xdist every worker collects the test but one runs it: the first worker to claim the run's
+# folder (named after xdist's run id, the same in every worker) starts pip, whichever worker runs
+# the test reads pip's exit code from that folder, and the controller removes it at the end.
 HYPERPOD_TEST = "test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent"
-_background: dict[str, tuple] = {}
 
 
 def hyperpod_resolution_command(report: Path) -> list[str]:
@@ -57,29 +109,56 @@ def hyperpod_resolution_command(report: Path) -> list[str]:
             "hyperpod-elastic-agent>=1.1.3"]
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Start the HyperPod resolution now when its test is selected."""
-    if any(item.name == HYPERPOD_TEST for item in items):
-        import subprocess
-        import tempfile
+SESSION_VAR = "PODTRAIN_TEST_SESSION"
 
-        folder = Path(tempfile.mkdtemp(prefix="podtrain-hyperpod-"))
-        log = open(folder / "pip.log", "w+")
-        proc = subprocess.Popen(hyperpod_resolution_command(folder / "report.json"),
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
-        _background["hyperpod"] = (proc, folder, log)
+
+def pytest_configure(config):
+    """Name this session (the controller's name, inherited by xdist's workers, which it starts
+    later): the folder the workers share for the background resolution carries it."""
+    if not os.environ.get(SESSION_VAR):
+        import uuid
+
+        os.environ[SESSION_VAR] = uuid.uuid4().hex[:12]
+
+
+def _hyperpod_folder() -> Path:
+    """This session's folder for the background resolution."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"podtrain-hyperpod-{os.environ[SESSION_VAR]}"
+
+
+def start_hyperpod_resolution() -> None:
+    """Start pip in the background (once per session, whichever worker gets here first): it writes
+    pip.log, report.json, and its exit code to ``rc`` when it ends; ``pid`` names it."""
+    import subprocess
+
+    folder = _hyperpod_folder()
+    try:
+        folder.mkdir()
+    except FileExistsError:  # another worker started it
+        return
+    shell = ('"$@" > "$0/pip.log" 2>&1; echo $? > "$0/rc.tmp" && mv "$0/rc.tmp" "$0/rc"')
+    proc = subprocess.Popen(["sh", "-c", shell, str(folder), *hyperpod_resolution_command(folder / "report.json")],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    (folder / "pid").write_text(str(proc.pid))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Never leave the background resolution running, nor its folder behind."""
+    """Never leave the background resolution running, nor its folder behind (the controller, or a
+    run without xdist: a worker leaves both to the others, which may still read them)."""
     import shutil
+    import signal
 
-    for proc, folder, log in _background.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-        shutil.rmtree(folder, ignore_errors=True)  # pip's log and report: nothing to keep in /tmp
+    folder = _hyperpod_folder()
+    if os.environ.get("PYTEST_XDIST_WORKER") or not folder.exists():
+        return
+    if not (folder / "rc").exists() and (folder / "pid").exists():
+        try:
+            os.killpg(int((folder / "pid").read_text()), signal.SIGKILL)  # sh and its pip
+        except (ProcessLookupError, ValueError):
+            pass
+    shutil.rmtree(folder, ignore_errors=True)  # pip's log and report: nothing to keep in /tmp
 
 
 @pytest.fixture
@@ -87,16 +166,31 @@ def hyperpod_resolution(tmp_path):
     """(exit code, pip's output, its --report path) of the HyperPod resolution: the one started at
     collection, or run now when this test was selected some other way."""
     import subprocess
+    import time
 
-    if "hyperpod" not in _background:
+    folder = _hyperpod_folder()
+    if not folder.exists():
         report = tmp_path / "report.json"
         proc = subprocess.run(hyperpod_resolution_command(report), capture_output=True, text=True,
                               timeout=300)
         return proc.returncode, proc.stdout + proc.stderr, report
-    proc, folder, log = _background["hyperpod"]
-    code = proc.wait(timeout=300)
-    log.seek(0)
-    return code, log.read(), folder / "report.json"
+    deadline = time.monotonic() + 300
+    while not (folder / "rc").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    code = int((folder / "rc").read_text()) if (folder / "rc").exists() else -1
+    return code, (folder / "pip.log").read_text(), folder / "report.json"
+
+
+@pytest.fixture(scope="session")
+def builtin_corpus(tmp_path_factory) -> Path:
+    """`podtrain prepare builtin` (bytes), prepared once per session (once per xdist worker), in this
+    process (no interpreter to start), for the tests that only read it: a run writes under run.dir,
+    never into its data directory."""
+    from podtrain.cli import main
+
+    out = tmp_path_factory.mktemp("builtin") / "builtin"
+    assert main(["prepare", "builtin", "--out", str(out), "--no-progress"]) == 0
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,7 @@ def _roundtrip_rank(rank, world, run_dir):
                 "state": state}
 
 
+@pytest.mark.slow
 def test_roundtrip_two_ranks_bit_identical(tmp_path):
     results = run_ranks(_roundtrip_rank, 2, str(tmp_path), timeout=90)
     for rank, r in enumerate(results):
@@ -281,6 +282,7 @@ def _pickle_rank(rank, world, run_dir, resume):
         return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model.pt", "optimizer.bin"])
 def test_pickle_checkpoint_is_refused_and_its_payload_never_runs(tmp_path, name):
     """Named explicitly (ckpt.resume=PATH) it is refused on both ranks; under auto it is skipped
@@ -331,6 +333,7 @@ def _exists_rank(rank, world, run_dir):
         return state.step, [v.sum().item() for v in model.state_dict().values()]
 
 
+@pytest.mark.slow
 def test_exists_disagreeing_on_rank1_does_not_hang(tmp_path):
     model, opt = tiny()
     train_steps(model, opt, 2, seed=11)
@@ -474,6 +477,7 @@ def _other_world_rank(rank, world, run_dir):
         return state.step, state.saved_world_size, weights(model), rec.messages
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_loads_weights_not_rng(tmp_path):
     model, opt = tiny()
     train_steps(model, opt, 2, seed=4)

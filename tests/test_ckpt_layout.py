@@ -163,6 +163,7 @@ def _counted_resume_rank(rank, world, run_dir):
     return state.step, counts, {k: v.clone() for k, v in net.state_dict().items()}, len(opt.state)
 
 
+@pytest.mark.slow
 def test_every_ddp_rank_writes_its_share_and_a_resume_reads_its_share_at_1_2_4_ranks(tmp_path):
     saved = run_ranks(_save_rank, 2, str(tmp_path), [3])[0]
     folder = tmp_path / "ckpt" / "step_000003"
@@ -194,6 +195,7 @@ def _corrupt_resume_rank(rank, world, run_dir):
     return state.step, [m for m in records if "failed its checks" in m], {k: v.clone() for k, v in net.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_a_bad_block_on_one_rank_makes_every_rank_fall_back_together(tmp_path):
     net, opt = _model(0)
     _train(net, opt, 1, seed=1)  # what every rank trains before its save of step 1
@@ -256,6 +258,7 @@ def _only_ckpt_corrupt_rank(rank, world, run_dir):
     return state, weights, optim, same_rng, {k: v.clone() for k, v in net.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_a_corrupt_only_checkpoint_starts_every_rank_fresh_from_the_seed(tmp_path):
     fresh, opt = _tiny(7)
     expected = {k: v.clone() for k, v in fresh.state_dict().items()}

@@ -62,6 +62,7 @@ def _save_and_resume(rank, world, run_dirs, budget_mb):
                 "optimizer": same_optimizer(opt, opt2)}
 
 
+@pytest.mark.slow
 def test_small_budget_writes_the_same_bytes_and_resumes_exactly(tmp_path):
     dirs = [str(tmp_path / "unbounded"), str(tmp_path / "small")]
     results = run_ranks(_save_and_resume, 2, dirs, 1.0, timeout=90)
@@ -118,6 +119,7 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+@pytest.mark.slow
 def test_peak_rss_of_a_save_and_a_resume(tmp_path):
     save_extra, load_extra, weights_bytes, same = run_ranks(_peak_rss_rank, 1, str(tmp_path), 4.0,
                                                             timeout=120)[0]

@@ -89,6 +89,7 @@ def _resume_rank(rank, world, base):
     return state.step, state.path, _weights(net), bytes_read
 
 
+@pytest.mark.slow
 def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_one(tmp_path):
     base = str(tmp_path)
     saved = run_ranks(_save_rank, 2, base)[0]
@@ -135,6 +136,7 @@ def test_newest_common_local_step_and_tier_config_errors():
 
 
 # -- S3 through the store ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_s3_checkpoints_explicit_resume_listing_and_superseded_timeline(tmp_path, s3_bucket, s3_server):
     url = f"s3://{s3_bucket}/exp/ckpt"
     net, opt = _model()
@@ -198,6 +200,7 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_s3_kill9_mid_run_then_rerun_gives_the_losses_and_weights_of_an_uninterrupted_run(
         tmp_path, s3_bucket, s3_server, repo, monkeypatch):
     from s3_server import TEST_SECRET

@@ -104,6 +104,7 @@ def _check_arithmetic(rec):
     assert rec["time_min_s"] <= rec["time_s"] <= rec["time_max_s"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_op_correct_and_json(tmp_path, world):
     out = tmp_path / "bench.jsonl"
@@ -136,6 +137,7 @@ def test_corrupted_result_is_reported_wrong(tmp_path, capfd, monkeypatch):
     assert "reduce_scatter 4K (world): 2 wrong element(s)" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_intra_inter_groups_with_a_two_node_layout(monkeypatch):
     argv = ["--ops", "all_reduce,broadcast", "--min-bytes", "16K", "--max-bytes", "16K",
             "--iters", "2", "--warmup", "0", "--groups", "intra,inter"]
@@ -156,6 +158,7 @@ def test_intra_inter_groups_with_a_two_node_layout(monkeypatch):
         None, None, [2, 3], [2, 3], [1, 3], [1, 3]]
 
 
+@pytest.mark.slow
 def test_min_busbw_fails_the_run(capfd):
     argv = ["--ops", "all_reduce", "--min-bytes", "4K", "--max-bytes", "4K", "--iters", "2"]
     assert [code for code, _ in run_ranks(_bench, 2, argv)] == [0, 0]  # control: same run passes

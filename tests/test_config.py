@@ -74,6 +74,7 @@ def test_accumulation_must_divide():
         accumulation_steps(32, 8, 3)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_and_exits_2(repo):
     proc = subprocess.run([sys.executable, "-m", "podtrain.cli", "train", str(repo / "configs/demo.yaml"),
                            "optim.lrr=3e-4"], capture_output=True, text=True, timeout=60)

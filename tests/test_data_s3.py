@@ -95,6 +95,7 @@ def _s3_rank(rank, world, local, url, cache_dir, cap_bytes, steps):
     return same, cache.used_bytes, on_disk, cache.block, len(list(cache.dir.iterdir()))
 
 
+@pytest.mark.slow
 def test_s3_batches_equal_local_and_the_cache_stays_within_its_budget(tmp_path, s3_server, s3_bucket):
     local = make_data_dir(tmp_path / "d", shard_tokens=(9000, 7001))
     url = _upload(s3_server, s3_bucket, local, "web")
@@ -121,6 +122,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in lines if r.get("kind") == "train"}
 
 
+@pytest.mark.slow
 def test_training_from_s3_mix_runs_and_resumes_with_the_local_losses(tmp_path, repo, s3_server, s3_bucket):
     from podtrain.model import preset_config
 

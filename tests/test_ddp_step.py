@@ -1,5 +1,6 @@
 """The DDP step on 2 real gloo ranks equals one process on the concatenated batch."""
 
+import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -68,6 +69,7 @@ def ddp_rank(rank, world, data):
         return grads, {n: p.detach().clone() for n, p in model.named_parameters()}, loss, len(fired_at)
 
 
+@pytest.mark.slow
 def test_two_ranks_with_accumulation_match_one_process_on_the_whole_batch():
     data = batches()
     results = run_ranks(ddp_rank, 2, data)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fault_plugin import podtrain_faults as faults
 from multirank import run_ranks
 from podtrain.cli import main as cli_main
@@ -162,6 +164,7 @@ def test_healthy_two_ranks_pass(tmp_path, capfd):
     assert list((tmp_path / "run").iterdir()) == []  # the probe files are cleaned up
 
 
+@pytest.mark.slow
 def test_slow_rank_is_named_and_fails(tmp_path, capfd, monkeypatch):
     # The slowed rank reports 1.5x its best matmul trial: against the other rank that is +50%
     # when the other measures its device well. A 5% limit still names it when the other rank's
@@ -175,6 +178,7 @@ def test_slow_rank_is_named_and_fails(tmp_path, capfd, monkeypatch):
     assert f"doctor: FAIL (1 check(s)): compute: rank 1 on host {HOST}" in out
 
 
+@pytest.mark.slow
 def test_run_dir_not_shared_fails(tmp_path, capfd):
     argv = ["--run-dir", str(tmp_path), *FAST]
     assert run_ranks(_doctor, 2, argv, True) == [1, 1]

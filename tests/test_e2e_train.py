@@ -12,12 +12,10 @@ FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s
           "max_mem_bytes", "world_size"}
 
 
-@pytest.fixture(scope="module")
-def builtin_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "builtin"
-    subprocess.run([sys.executable, "-m", "podtrain.cli", "prepare", "builtin", "--out", str(out)],
-                   check=True, capture_output=True, timeout=120)
-    return out
+@pytest.fixture
+def builtin_data(builtin_corpus):
+    """The built-in corpus (conftest: prepared once per session)."""
+    return builtin_corpus
 
 
 def _check_mfu(train, data_dir, seq_len, world):

@@ -48,6 +48,7 @@ def test_progress_lines_come_every_30_s_with_the_rate_and_the_time_left():
     assert lines.lines[-1] == "eval: loglikelihood 900/1000 on this rank, 5.0/s, about 20 s left"
 
 
+@pytest.mark.slow
 def test_eval_of_an_exported_folder_writes_beside_it_not_into_the_current_directory(
         tmp_path, task_dir, monkeypatch, capsys):  # noqa: F811
     data = bpe_data(tmp_path / "data")

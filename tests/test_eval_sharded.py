@@ -84,6 +84,7 @@ def _sharded_rank(rank, world, strategy):
         return scores, lockstep.forwards, lockstep.padding, max(gathered), whole, resharded, len(beats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("hsdp", 4)])  # hsdp: 2 replicas x 2 shards
 def test_sharded_scoring_runs_in_lockstep_holds_no_whole_copy_and_scores_as_the_whole_model(strategy, world):
     from podtrain.eval.adapter import PodtrainLM
@@ -120,6 +121,7 @@ def _task_rank(rank, world, task_dir, strategy):
         return (results or {}).get("results"), len(calls), mine
 
 
+@pytest.mark.slow
 def test_eval_tasks_under_fsdp_score_the_sharded_model_as_ddp_does(tmp_path):
     import json
 

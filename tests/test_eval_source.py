@@ -37,6 +37,7 @@ def _same_scores(a, b):
     assert a["podtrain"]["requests"] == b["podtrain"]["requests"] == 2 * len(DOCS)
 
 
+@pytest.mark.slow
 def test_eval_of_a_mix_run_uses_its_first_sources_tokenizer_and_no_optimizer_bytes(tmp_path, task_dir):
     from test_export_sample import byte_data
 
@@ -47,6 +48,7 @@ def test_eval_of_a_mix_run_uses_its_first_sources_tokenizer_and_no_optimizer_byt
     _same_scores(got, _eval(run_dir, task_dir, tmp_path / "explicit.json", "--data", str(first)))
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_whose_data_is_on_s3(tmp_path, task_dir, s3_server, s3_bucket):
     data = bpe_data(tmp_path / "data")
     for path in data.rglob("*"):

@@ -31,14 +31,12 @@ def _eval_cli(rank, world, argv):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, builtin_corpus):
     from conftest import REPO
-    from podtrain.cli import main
 
     root = tmp_path_factory.mktemp("evaltasks")
     os.environ["PODTRAIN_CACHE"] = str(root / "cache")  # the generated task files
-    data, run_dir = root / "data", root / "run"
-    assert main(["prepare", "builtin", "--out", str(data), "--no-progress"]) == 0  # 12 held-out files
+    data, run_dir = builtin_corpus, root / "run"  # the built-in corpus: 12 held-out files
     overrides = [f"data.path={data}", f"run.dir={run_dir}", "data.seq_len=128", "train.micro_batch_size=8",
                  "train.global_batch_size=16", "train.steps=40", "optim.warmup_steps=3", "optim.lr=5e-3",
                  "log.every=20", "eval.every=40", "eval.max_batches=2", "eval.tasks=[podtrain-next-line]",
@@ -57,6 +55,7 @@ def _acc(path):
     return json.loads(path.read_text())["results"]["podtrain-next-line"]["acc,none"]
 
 
+@pytest.mark.slow
 def test_eval_tasks_in_the_loop_beat_the_untrained_model(trained):
     import torch
     from podtrain.data.manifest import read_manifest
@@ -88,6 +87,7 @@ def test_eval_tasks_in_the_loop_beat_the_untrained_model(trained):
     assert acc > before, (acc, before)
 
 
+@pytest.mark.slow
 def test_podtrain_eval_two_ranks_equal_one_rank_and_the_loop(trained, capsys):
     from podtrain.cli import main
 
@@ -105,6 +105,7 @@ def test_podtrain_eval_two_ranks_equal_one_rank_and_the_loop(trained, capsys):
     assert meta["world_size"] == 2 and meta["step"] == 40 and meta["requests"] >= 4 * LIMIT
 
 
+@pytest.mark.slow
 def test_a_task_from_the_users_yaml_and_jsonl_runs_and_mistakes_are_one_line(trained, tmp_path, capsys):
     from podtrain.cli import main
     from podtrain.eval.tasks import task_yaml
@@ -130,6 +131,7 @@ def test_a_task_from_the_users_yaml_and_jsonl_runs_and_mistakes_are_one_line(tra
     # (an unknown name is one line too, but proving it indexes lm-eval's ~15,000 task configs: ~15 s)
 
 
+@pytest.mark.slow
 def test_without_lm_eval_one_line_names_the_extra(trained, monkeypatch, capsys):
     from podtrain.cli import main
 

@@ -98,6 +98,7 @@ def ddp_runs():
     return data, {world: run_ranks(train_rank, world, "ddp", data, timeout=90) for world in (2, 4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp_matches_ddp_losses_norms_and_weights_with_accumulation(ddp_runs, world):
     data, ddp = ddp_runs
@@ -108,6 +109,7 @@ def test_fsdp_matches_ddp_losses_norms_and_weights_with_accumulation(ddp_runs, w
         assert_same_run(fsdp[rank], ddp[world][0])
 
 
+@pytest.mark.slow
 def test_hsdp_on_four_ranks_as_two_by_two_matches_ddp(ddp_runs):
     data, ddp = ddp_runs
     hsdp = run_ranks(train_rank, 4, "hsdp", data, 2, timeout=90)
@@ -115,6 +117,7 @@ def test_hsdp_on_four_ranks_as_two_by_two_matches_ddp(ddp_runs):
         assert_same_run(hsdp[rank], ddp[4][0])
 
 
+@pytest.mark.slow
 def test_fsdp_resharding_every_micro_batch_and_recomputing_activations_match_ddp(ddp_runs):
     data, ddp = ddp_runs
     fsdp = run_ranks(train_rank, 2, "fsdp", data, None, False, True, timeout=90)
@@ -204,6 +207,7 @@ def _bf16_ddp_then_fsdp(rank, world, data):
     return [train_rank(rank, world, strategy, data, precision="bf16")[0] for strategy in ("ddp", "fsdp")]
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_matches_bf16_ddp_within_bf16_tolerance(ddp_runs):
     # DDP autocasts the matmuls to bf16; FSDP's MixedPrecisionPolicy casts the weights (every op
     # in bf16, gradients reduced in fp32): not bitwise the same, but the same training. Stated
@@ -218,6 +222,7 @@ def test_bf16_fsdp_matches_bf16_ddp_within_bf16_tolerance(ddp_runs):
     assert any(abs(a[0] - b[0]) > 1e-5 for a, b in zip(ddp, fp32)), (ddp, fp32)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_ddp_matches_ddp(ddp_runs):
     data, ddp = ddp_runs
     recomputed = run_ranks(train_rank, 2, "ddp", data, None, True, True, timeout=90)
@@ -246,6 +251,7 @@ def _evaluate_rank(rank, world, strategy, data_dir, seq):
         return index.num_samples, loss
 
 
+@pytest.mark.slow
 def test_fsdp_evaluation_runs_in_lockstep_when_ranks_hold_unequal_validation_samples(tmp_path):
     from synthetic_data import make_data_dir
 
@@ -297,6 +303,7 @@ def _collectives_per_step(rank, world, unsharded, data):
         return out
 
 
+@pytest.mark.slow
 def test_unsharded_accumulation_gathers_each_layer_once_and_reduces_once_per_step():
     # 3 FSDP groups (2 decoder layers + the root), 4 micro-batches per rank.
     data = batches(2)
@@ -310,6 +317,7 @@ def test_unsharded_accumulation_gathers_each_layer_once_and_reduces_once_per_ste
     assert all(c["all_gather"] == 4 * (2 * 2 + 1) for c in resharded), resharded
 
 
+@pytest.mark.slow
 def test_fsdp_buffers_come_from_rank_0_not_the_meta_device(ddp_runs):
     data, ddp = ddp_runs
     reference_buffers = dict(build_model(small_config(), "eager", seed=0).named_buffers())

@@ -67,6 +67,7 @@ def data(tmp_path_factory):
     return make_data_dir(tmp_path_factory.mktemp("data"), shard_tokens=(6000,), val_tokens=600)
 
 
+@pytest.mark.slow
 def test_fsdp_golden_resume_after_sigkill_of_one_rank_mid_step(data, tmp_path, repo):
     golden = tmp_path / "golden"
     assert run(2, repo, golden, data, "dist.strategy=fsdp") == (STEPS, 0)
@@ -107,6 +108,7 @@ def test_fsdp_golden_resume_after_sigkill_of_one_rank_mid_step(data, tmp_path, r
     assert all(torch.equal(exported[k], golden_weights[k]) for k in golden_weights)
 
 
+@pytest.mark.slow
 def test_resume_ddp_to_fsdp_at_four_ranks_to_ddp_matches_an_uninterrupted_ddp_run(data, tmp_path, repo):
     golden = tmp_path / "ddp"
     assert run(2, repo, golden, data) == (STEPS, 0)
@@ -128,6 +130,7 @@ def test_resume_ddp_to_fsdp_at_four_ranks_to_ddp_matches_an_uninterrupted_ddp_ru
         assert (weights[name] - ref).abs().max().item() < 1e-5, name
 
 
+@pytest.mark.slow
 def test_hsdp_two_by_two_writes_one_replica_and_resumes_under_fsdp_on_two_ranks(data, tmp_path, repo):
     golden = tmp_path / "hsdp"
     assert run(4, repo, golden, data, "dist.strategy=hsdp", "dist.shard_size=2") == (STEPS, 0)

@@ -45,6 +45,7 @@ def records(run_dir: Path, kind: str = "train") -> list[dict]:
 
 
 # -- 1. resume honesty -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resume_applies_a_new_weight_decay_and_refuses_a_new_preset(capsys, data, tmp_path, repo,
                                                                      monkeypatch):
     from podtrain.config import load_config as load
@@ -120,6 +121,7 @@ def _replica_check_after_restore(rank, world, run_dir, data, repo):
     return None
 
 
+@pytest.mark.slow
 def test_replicas_are_checked_after_the_restore(capsys, data, tmp_path, repo, monkeypatch):
     from multirank import run_ranks
 
@@ -131,6 +133,7 @@ def test_replicas_are_checked_after_the_restore(capsys, data, tmp_path, repo, mo
 
 
 # -- 2. cosine warning on a changed train.steps -------------------------------------------------------
+@pytest.mark.slow
 def test_extending_a_cosine_run_warns(capsys, data, tmp_path, repo, monkeypatch):
     monkeypatch.chdir(repo)
     run = tmp_path / "run"
@@ -236,6 +239,7 @@ def test_young_daly_interval_and_grace_warning(caplog):
 
 
 # -- 5. goodput after a kill and a resume -------------------------------------------------------------
+@pytest.mark.slow
 def test_goodput_line_counts_the_steps_redone_after_a_kill(capsys, data, tmp_path, repo, monkeypatch):
     monkeypatch.chdir(repo)
     run = tmp_path / "run"

@@ -144,6 +144,7 @@ def _buffer_verdicts(rank, world):
     return names, constant, differing
 
 
+@pytest.mark.slow
 def test_ddp_skips_the_buffer_broadcast_only_for_constant_identical_buffers():
     (names, constant, differing), (_, constant1, differing1) = run_ranks(_buffer_verdicts, 2)
     assert any("inv_freq" in n for n in names)  # the rotary buffer exists and is checked

@@ -461,6 +461,7 @@ def test_container_command_exits_143_after_sigterm_with_a_checkpoint_and_2_on_a_
     assert err.count("\n") == 1 and err.startswith("podtrain: error: ") and "optim.lr" in err, err
 
 
+@pytest.mark.slow
 def test_generation_validates_against_the_shipped_crd_and_prints_the_path_mapping(tmp_path, monkeypatch,
                                                                                    capsys):
     # The CRD inside the package, with its source header, is what `launch k8s` validates against.
@@ -516,6 +517,7 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
+@pytest.mark.slow
 def test_a_hyperpod_image_installs_podtrain_with_hyperpod_elastic_agent(hyperpod_resolution):
     """hyperpod-elastic-agent 1.1.3 (hyperpodrun) needs torch < 2.12: podtrain's floors must let
     pip resolve both into one image. One resolver call, against the real index (started when the

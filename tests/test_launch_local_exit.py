@@ -29,12 +29,13 @@ FAST = ["data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=
 
 
 @pytest.fixture(scope="module")
-def datasets(tmp_path_factory):
-    """The built-in corpus tokenised twice: bytes (vocab 257) and BPE (vocab 512)."""
+def datasets(tmp_path_factory, builtin_corpus):
+    """The built-in corpus tokenised twice: bytes (vocab 257: conftest's, shared) and BPE (vocab 512)."""
+    from podtrain.cli import main
+
     root = tmp_path_factory.mktemp("data")
-    for name, tok in (("byte", "byte"), ("bpe", "bpe:512")):
-        subprocess.run([sys.executable, "-m", "podtrain.cli", "prepare", "builtin", "--out",
-                        str(root / name), "--tokenizer", tok], check=True, capture_output=True, timeout=120)
+    (root / "byte").symlink_to(builtin_corpus, target_is_directory=True)
+    assert main(["prepare", "builtin", "--out", str(root / "bpe"), "--tokenizer", "bpe:512", "--no-progress"]) == 0
     return root
 
 

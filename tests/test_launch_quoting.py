@@ -18,6 +18,7 @@ import sys
 import unicodedata
 from pathlib import Path, PurePosixPath
 
+import pytest
 import yaml
 
 from cluster_fixtures import batch_environment, fake_slurm_bin
@@ -115,6 +116,7 @@ def only_record(record: Path) -> dict:
 K8S_FIELDS = ("run.dir", "run.dir-on-claim", "--mount", "config", "data.cache_dir", "--image")
 
 
+@pytest.mark.slow
 def test_k8s_pod_command_hands_every_value_over_exactly_or_refuses_it(tmp_path, capsys):
     accepted = set()
     for i, (field, value) in enumerate(cases(26, K8S_FIELDS, rounds=3)):
@@ -250,6 +252,7 @@ def fake_venv(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_slurm_scripts_hand_every_value_over_exactly_or_refuse_it(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     accepted = set()

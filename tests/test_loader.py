@@ -35,6 +35,7 @@ def rank_epoch_ids(rank, world, data, workers, steps):
     return np.concatenate(ids), rows_ok, ld.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_sample_exactly_once_per_epoch(tmp_path, world, workers):
@@ -65,6 +66,7 @@ def global_sequence(results):
     return [i for s in range(steps) for r in results for i in r[0][s].tolist()]
 
 
+@pytest.mark.slow
 def test_resume_with_other_world_sizes_continues_exactly(tmp_path):
     data = make_data_dir(tmp_path / "d")
     full = global_sequence(run_ranks(run_segment, 4, data, None, 30))

@@ -39,6 +39,7 @@ def tokenizer_of(data) -> dict:
     return json.loads((data / "manifest.json").read_text())["tokenizer"]
 
 
+@pytest.mark.slow
 def test_the_readme_recipe_one_tokenizer_trained_once_then_every_source_prepared_with_it(corpora, tmp_path, repo,
                                                                                          monkeypatch):
     web, code, tok = corpora / "web", corpora / "code", tmp_path / "tok"

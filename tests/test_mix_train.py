@@ -26,6 +26,7 @@ def _records(run_dir, kind):
     return {r["step"]: r for r in lines if r.get("kind") == kind}
 
 
+@pytest.mark.slow
 def test_two_rank_mix_keeps_its_ledger_and_resumes_on_one_rank(tmp_path, repo):
     from podtrain.ckpt.reader import load_latest
     from podtrain.model import preset_config

@@ -51,6 +51,7 @@ def resumed_run(tmp_path_factory):
     return run_dir, lines, len(first)
 
 
+@pytest.mark.slow
 def test_records_keep_the_resumed_attempts_steps_once(resumed_run):
     from podtrain.observe.records import read_records
 
@@ -69,6 +70,7 @@ def test_records_keep_the_resumed_attempts_steps_once(resumed_run):
     assert [r["step"] for r in records.restarts] == [3]
 
 
+@pytest.mark.slow
 def test_tensorboard_reader_returns_the_losses_of_metrics_jsonl(resumed_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -88,6 +90,7 @@ def test_tensorboard_reader_returns_the_losses_of_metrics_jsonl(resumed_run):
     assert lr == [float(np.float32(r["lr"])) for r in records.train]
 
 
+@pytest.mark.slow
 def test_profile_traces_the_chosen_steps_on_each_rank(resumed_run):
     run_dir, _, _ = resumed_run
     assert sorted(p.name for p in (run_dir / "profile").iterdir()) == [
@@ -102,6 +105,7 @@ def test_profile_traces_the_chosen_steps_on_each_rank(resumed_run):
         assert any("allreduce" in n.lower() for n in names)
 
 
+@pytest.mark.slow
 def test_plot_writes_png_and_html(resumed_run, tmp_path, capsys):
     from podtrain.cli import main
 

@@ -58,6 +58,7 @@ def _wandb_history(path):
     return rows
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_records(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in the test extra: pip install -e '.[test]'")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -193,6 +194,7 @@ def _write_metrics(run_dir, evals, sources=("web",)):
     return run_dir
 
 
+@pytest.mark.slow
 def test_plot_draws_no_empty_panel(tmp_path):
     """No `eval.tasks`: no "eval tasks" panel; one source: no "tokens by source"; the figure
     shrinks to the rows it needs (issue 30 point 10: the plot always drew an empty tasks panel)."""

@@ -91,6 +91,7 @@ def _unwrap_rank(rank, world):
         unwrap(ddp) is ddp
 
 
+@pytest.mark.slow
 def test_unwrap_sees_through_real_ddp_and_compile_wrappers():
     from multirank import run_ranks
 

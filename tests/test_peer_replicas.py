@@ -74,6 +74,7 @@ def _lineage_dir(base: Path, node: int) -> Path:
     return next((base / f"node{node}").iterdir())
 
 
+@pytest.mark.slow
 def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_path, small_chunks):
     base = str(tmp_path)
     saved = run_ranks(_save, 2, base)[0]
@@ -121,6 +122,7 @@ def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_pat
         "rank_00001.json", "rank_00001.safetensors", "replica_of_rank_00000"]
 
 
+@pytest.mark.slow
 def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path):
     base = str(tmp_path)
     saved = run_ranks(_save, 3, base)[0]
@@ -135,6 +137,7 @@ def test_two_nodes_lost_with_one_replica_fall_back_to_the_durable_tier(tmp_path)
         assert all(torch.equal(weights[k], saved[2][k]) for k in saved[2])
 
 
+@pytest.mark.slow
 def test_every_host_moved_each_rank_sends_and_receives_at_once(tmp_path):
     """Three nodes whose hosts all moved on (rank r now runs where rank r-1 ran): every rank needs
     another's files and gives its own, all in one round of simultaneous transfers (a cycle)."""

@@ -215,11 +215,8 @@ def _slowed_run(repo, tmp_path, data, fault):
     ("slow-loader:seconds=0.4", "data wait"),
     ("slow-step:rank=1,seconds=0.4", "sync wait"),
 ])
-def test_report_names_what_was_slowed(repo, tmp_path, fault, furthest):
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "podtrain.cli", "prepare", "builtin", "--out", str(data)],
-                   check=True, capture_output=True, timeout=120)
-    report = _slowed_run(repo, tmp_path, data, fault)
+def test_report_names_what_was_slowed(repo, tmp_path, builtin_corpus, fault, furthest):
+    report = _slowed_run(repo, tmp_path, builtin_corpus, fault)
     assert report["furthest"] == furthest, report
     if furthest == "sync wait":  # rank 0 waits; the straggler fields name the slow rank
         assert report["straggler"]["rank"] == 1 and "slow rank 1" in report["verdict"]

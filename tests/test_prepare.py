@@ -113,6 +113,7 @@ def test_deterministic_across_runs_workers_and_chunk_sizes(tmp_path):
     assert (tmp_path / "a/manifest.json").read_bytes() == (tmp_path / "b/manifest.json").read_bytes()
 
 
+@pytest.mark.slow
 def test_bpe_deterministic_with_1_and_2_workers_and_roundtrips(tmp_path):
     docs = make_corpus(tmp_path / "c", n=20)
     common = dict(tokenizer="bpe:400", shard_tokens=2000)

@@ -162,6 +162,7 @@ def s3_stream(url: str, split: str) -> bytes:
     return b"".join(store.read_bytes(s["file"]) for s in manifest["splits"][split]["shards"])
 
 
+@pytest.mark.slow
 def test_s3_inputs_and_outputs_one_shot_and_in_parts(s3_bucket, tmp_path, monkeypatch, capsys):
     """Text, JSONL and Parquet objects under an s3:// prefix (moto's real S3 server on loopback) ->
     --out s3://: one shot, and bpe in 2 parts + merge; the same streams, the manifest last."""

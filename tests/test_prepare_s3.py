@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_prepare import make_corpus, run_cli
 
 
+@pytest.mark.slow
 def test_no_credentials_is_one_line_naming_them_before_any_work(s3_server, s3_bucket, tmp_path):
     make_corpus(tmp_path / "c", n=4)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

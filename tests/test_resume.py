@@ -82,6 +82,7 @@ def _check_choice(root: Path, durable: int) -> int:
     return step
 
 
+@pytest.mark.slow
 def test_kill9_during_saves_always_leaves_a_good_choice(tmp_path):
     warm = torch.optim.AdamW(_net().parameters())  # first use imports torch._dynamo: not per child
     warm.step()

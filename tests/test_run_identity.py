@@ -230,6 +230,7 @@ def _read_fails_on_rank1(rank, world, run_dir):
     return None
 
 
+@pytest.mark.slow
 def test_a_user_error_reading_one_ranks_share_stops_every_rank_at_once(tmp_path):
     _run(tmp_path, CkptSection(), range(1, 2))
     t0 = time.monotonic()

@@ -35,6 +35,7 @@ def group_timeout_s(group) -> float:
 
 
 # -- 6. timeouts -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_resumed_run_switches_to_the_steady_state_timeout(tmp_path, monkeypatch, repo):
     from podtrain.cli import main
     from podtrain.launch.local import free_port
@@ -78,6 +79,7 @@ def _mesh_timeouts(rank, world):
         return ranks, at_start, steady
 
 
+@pytest.mark.slow
 def test_hsdp_subgroups_take_podtrains_timeout_and_switch_to_the_steady_one():
     results = run_ranks(_mesh_timeouts, 4, timeout=60)
     assert [r[0] for r in results] == [[[0, 2], [0, 1]], [[1, 3], [0, 1]], [[0, 2], [2, 3]], [[1, 3], [2, 3]]]
@@ -190,6 +192,7 @@ def test_start_up_line_records_tf32_and_the_allocator_mocked_gpu(monkeypatch):
     assert gpu_defaults.apply_gpu_defaults("fp32", CPU, env) == ""
 
 
+@pytest.mark.slow
 def test_compile_wraps_each_decoder_block_before_ddp_and_fully_shard(monkeypatch):
     import torch.distributed.fsdp as fsdp
     from transformers import LlamaConfig

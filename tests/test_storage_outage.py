@@ -103,6 +103,7 @@ def _assert_same_as(reference: dict, run_dir: Path) -> None:
     assert all(torch.equal(weights[k], reference["weights"][k]) for k in reference["weights"])
 
 
+@pytest.mark.slow
 def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference, s3_proxy, s3_bucket,
                                                                       tmp_path, repo):
     url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
@@ -132,6 +133,7 @@ def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference,
     _assert_same_as(reference, run_dir)
 
 
+@pytest.mark.slow
 def test_an_outage_past_max_outage_s_stops_with_the_retryable_code_and_a_rerun_resumes(
         reference, s3_proxy, s3_server, s3_bucket, tmp_path, repo):
     from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE

@@ -271,6 +271,7 @@ def _train_rank(rank, world, overrides):
     return main(["train", "configs/demo.yaml", *overrides])
 
 
+@pytest.mark.slow
 def test_a_data_read_that_outlasts_its_retries_ends_train_with_203(s3_proxy, s3_server, s3_bucket, tmp_path,
                                                                    repo, monkeypatch):
     """Data on S3, its shard reads in an outage longer than the budget: the loader's background
