@@ -262,3 +262,27 @@ def test_a_damaged_or_missing_sidecar_makes_the_checkpoint_unusable(tmp_path):
     (tmp_path / "b" / "ckpt" / name / sidecar.sidecar(1)).unlink()
     manifest, reason = layout.check(PosixStore(str(tmp_path / "b" / "ckpt")), name)
     assert manifest is None and "sidecars are 1 file(s)" in reason, reason
+
+
+@pytest.mark.parametrize("mesh", [[4], [2, 2], [3, 2]])
+def test_each_saved_rank_holds_exactly_what_the_rules_say_and_resumes_from_its_own_sidecar(mesh):
+    """Pure: from a manifest's rules alone, every rank's ranges (``ranges_of``) are held by that
+    rank only (``holders``), and together they cover every element of every tensor once."""
+    from podtrain.ckpt.plan import assign_replicas
+    from podtrain.ckpt.sidecar import SavedSplit
+
+    world, rule = (mesh[0], "S") if len(mesh) == 1 else (mesh[0] * mesh[1], "RS")
+    shapes = {f"model/w{i}": [7 + i, 5] for i in range(9)} | {"model/empty": [1, 3]}
+    groups = assign_replicas([(n, s[0] * s[1] * 4) for n, s in shapes.items()], mesh[0] if rule == "RS" else 1)
+    tensors = {n: {"shape": s, "dtype": "F32", "rule": rule, "replica": groups[n]} for n, s in shapes.items()}
+    tensors |= {f"optim/step{i}": {"shape": [], "dtype": "F32", "rule": "even"} for i in range(5)}
+    split = SavedSplit({"world_size": world, "mesh": {"shape": mesh}, "tensors": tensors})
+    covered: dict[str, int] = {}
+    for rank in range(world):
+        for name, start, count in split.ranges_of(rank):
+            assert split.holders(name, start, count) == {rank}, (rank, name, start, count)
+            covered[name] = covered.get(name, 0) + count
+    assert covered == {n: max(1, s[0] * s[1]) if s else 1 for n, s in
+                       ((n, info["shape"]) for n, info in tensors.items())}
+    if rule == "RS":  # every replica group writes a part
+        assert {groups[n] for n in shapes} == set(range(mesh[0]))

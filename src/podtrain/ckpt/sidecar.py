@@ -22,7 +22,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from podtrain.ckpt.plan import Piece, shards_overlapping, split_even
+from podtrain.ckpt import layout
+from podtrain.ckpt.plan import Piece, shard_range, shards_overlapping, split_even
 from podtrain.ckpt.state import from_plain, to_plain
 from podtrain.ckpt.tensorio import DTYPES, ELEMENT_SIZE, CorruptCheckpoint, decode_small, encode_small
 
@@ -120,6 +121,34 @@ class SavedSplit:
             out.add(self._rank(coords))
         return out
 
+    def ranges_of(self, rank: int) -> list[tuple[str, int, int]]:
+        """The ``(tensor, start, count)`` ranges saved rank ``rank`` wrote: what a rank of a resume
+        at the saved world size and strategy reads (a bench can time ``index`` over them)."""
+        out = [(name, s, c) for name, held in self.even.items() for r, s, c in held if r == rank]
+        flat = self.mesh_ranks.index(rank) if self.mesh_ranks else rank
+        coords = []
+        for size in reversed(self.mesh_shape):
+            flat, c = divmod(flat, size)
+            coords.insert(0, c)
+        for name, info in self.tensors.items():
+            rule = info.get("rule", "even")
+            if rule == "even":
+                continue
+            writes, shard_dim, first_replicate = True, None, True
+            for dim, kind in enumerate(rule):
+                if kind == "R":
+                    want = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
+                    writes, first_replicate = writes and coords[dim] == want, False
+                else:
+                    shard_dim = dim
+            if not writes:
+                continue
+            start, count = (shard_range(info["shape"], coords[shard_dim], self.mesh_shape[shard_dim])
+                            if shard_dim is not None else (0, _numel(info)))
+            if count:
+                out.append((name, start, count))
+        return out
+
     def _rank(self, coords: list[int]) -> int:
         flat = 0
         for c, size in zip(coords, self.mesh_shape):
@@ -172,3 +201,15 @@ def _numel(info: dict[str, Any]) -> int:
     for d in info["shape"]:
         n *= int(d)
     return n
+
+
+def metadata_sizes(store, name: str) -> dict[str, int]:
+    """Bytes of checkpoint ``name``'s metadata, from one listing: ``shared`` (manifest.json +
+    state.json, what every resume reads whatever its share), ``small_files`` (all of rank 0's
+    small files), ``sidecars`` (all ranks' together) and ``sidecar_max`` (the largest one)."""
+    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
+    own = [size for rel, size in sizes.items() if rel.startswith("meta_") and rel.endswith(".json") and "/" not in rel]
+    small = (layout.MANIFEST, layout.STATE_JSON, layout.STATE_FILE, layout.CONFIG_JSON)
+    return {"shared": sizes.get(layout.MANIFEST, 0) + sizes.get(layout.STATE_JSON, 0),
+            "small_files": sum(sizes.get(rel, 0) for rel in small),
+            "sidecars": sum(own), "sidecar_max": max(own, default=0)}

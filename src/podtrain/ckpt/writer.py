@@ -17,9 +17,10 @@ rank in ``__init__``), so they never interleave with the main thread's collectiv
    broadcasts the result. On any failure it removes the step's directory, so the last good
    checkpoint stays the newest, and every rank's job carries the same error.
 
-``CheckpointWriter.received_bytes`` counts the pickled bytes this rank received in the save's
-object collectives (a bench reads it from ``last_save["received_bytes"]``): O(1) on every rank but
-rank 0, which receives O(world) small records.
+``SaveJob.received_bytes`` counts the pickled bytes this rank received in the save's object
+collectives (``CheckpointWriter.last_save["received_bytes"]`` after a save, for benches): O(1) on
+every rank but rank 0, which receives O(world) records of a few bytes. (The peer replicas' outcome
+exchange after a local save, ``_replicate``, still all_gathers one small object per rank.)
 
 The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same protocol into a
 directory that no single rank sees whole: every rank clears and later prunes only its own files,
