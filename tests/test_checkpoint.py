@@ -173,9 +173,10 @@ def test_roundtrip_two_ranks_bit_identical(tmp_path):
     ckpt = tmp_path / "ckpt" / "step_000002"
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    files = set(manifest["files"])
-    assert files == {"rank_00000.safetensors", "rank_00001.safetensors", "state.safetensors",
-                     "state.json", "config.json"}  # both ranks wrote their share
+    assert set(manifest["files"]) == {"state.safetensors", "state.json", "config.json"}
+    assert manifest["ranks"]["sidecars"] == 2 and manifest["ranks"]["piece_files"] == 2  # both ranks wrote
+    assert {p.name for p in ckpt.iterdir()} >= {"rank_00000.safetensors", "rank_00001.safetensors",
+                                                 "meta_00000.json", "meta_00001.json"}  # their share and sidecar
     names = set(manifest["tensors"])
     assert not any(n.startswith(("model/module.", "model/_orig_mod.")) for n in names)
     assert "model/lm_head.weight" not in names  # tied to the embedding: stored once

@@ -16,6 +16,7 @@ from torch import nn
 from multirank import gloo_context, run_ranks
 from podtrain.ckpt import layout
 from podtrain.ckpt.checkpointer import Checkpointer
+from podtrain.ckpt.load import piece_index
 from podtrain.ckpt.plan import BLOCK_BYTES, block_crcs, split_even, spans, Piece
 from podtrain.storage.posix import PosixStore
 from podtrain.ckpt.tensorio import BlockHasher
@@ -168,12 +169,16 @@ def test_every_ddp_rank_writes_its_share_and_a_resume_reads_its_share_at_1_2_4_r
     saved = run_ranks(_save_rank, 2, str(tmp_path), [3])[0]
     folder = tmp_path / "ckpt" / "step_000003"
     manifest = json.loads((folder / "manifest.json").read_text())
-    pieces = {rel: rec for rel, rec in manifest["files"].items() if "pieces" in rec}
+    pieces: dict[str, list] = {}
+    for found in piece_index(manifest, PosixStore(str(tmp_path / "ckpt")), folder.name).values():
+        for p in found:
+            pieces.setdefault(p.file, []).append(p)
     assert sorted(pieces) == ["rank_00000.safetensors", "rank_00001.safetensors"]  # both ranks wrote
-    data = sum(p[2] * 4 for rec in pieces.values() for p in rec["pieces"])
-    assert abs(len(pieces["rank_00000.safetensors"]["pieces"]) - len(pieces["rank_00001.safetensors"]["pieces"])) < 30
+    data = sum(p.count * 4 for found in pieces.values() for p in found)
+    assert abs(len(pieces["rank_00000.safetensors"]) - len(pieces["rank_00001.safetensors"])) < 30
     small = sum(manifest["files"][f]["bytes"] for f in ("state.json", "state.safetensors"))
     small += (folder / "manifest.json").stat().st_size + (tmp_path / "ckpt" / "latest").stat().st_size
+    small += 2 * max(p.stat().st_size for p in folder.glob("meta_*.json"))  # the sidecars of its ranges
     for world in (1, 2, 4):
         results = run_ranks(_counted_resume_rank, world, str(tmp_path))
         for step, counts, weights, optim in results:

@@ -99,7 +99,8 @@ def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_on
     node0, node1 = tmp_path / "node0" / lineage, tmp_path / "node1" / lineage
     # local_keep=2: each rank pruned its own parts; the durable tier has only step 2
     assert sorted(p.name for p in node0.iterdir()) == ["step_000004", "step_000005"]
-    assert sorted(p.name for p in (node1 / "step_000005").iterdir()) == ["rank_00001.json", "rank_00001.safetensors"]
+    assert sorted(p.name for p in (node1 / "step_000005").iterdir()) == [
+        "meta_00001.json", "rank_00001.json", "rank_00001.safetensors"]
     assert [s for s, _ in layout.committed_steps(layout.open_store(str(tmp_path / "run" / "ckpt")))] == [2]
     # rank 0 was killed in the middle of local step 6: a part without its marker is never used
     (node0 / "step_000006").mkdir()

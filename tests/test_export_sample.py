@@ -309,7 +309,7 @@ def _corrupt_optimizer_pieces(run_dir: Path) -> tuple[int, int]:
     store = open_store(str(run_dir / "ckpt"))
     choice = layout.find_latest(store)
     sizes = {"model/": 0, "optim/": 0}
-    for tensor, pieces in piece_index(choice.manifest).items():
+    for tensor, pieces in piece_index(choice.manifest, store, choice.name).items():
         esize = torch.empty(0, dtype=DTYPES[choice.manifest["tensors"][tensor]["dtype"]]).element_size()
         for piece in pieces:
             kind = tensor[:tensor.index("/") + 1]

@@ -82,7 +82,7 @@ def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_pat
     # each node holds its own part and the other's replica; local_keep=2 prunes replicas too
     assert sorted(p.name for p in node0.iterdir()) == ["step_000004", "step_000005"]
     held0 = sorted(p.name for p in (node1 / "step_000005" / "replica_of_rank_00000").iterdir())
-    assert {"manifest.json", "rank_00000.json", "rank_00000.safetensors"} <= set(held0)
+    assert {"manifest.json", "meta_00000.json", "rank_00000.json", "rank_00000.safetensors"} <= set(held0)
     own1 = node1 / "step_000005" / "rank_00001.safetensors"
     own1_size = own1.stat().st_size
     copy1 = node0 / "step_000005" / "replica_of_rank_00001" / "rank_00001.safetensors"
@@ -119,7 +119,7 @@ def test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order(tmp_pat
     moved = _lineage_dir(tmp_path, 1)
     assert sorted(p.name for p in moved.iterdir()) == ["step_000007", "step_000008"]
     assert sorted(p.name for p in (moved / "step_000008").iterdir()) == [
-        "rank_00001.json", "rank_00001.safetensors", "replica_of_rank_00000"]
+        "meta_00001.json", "rank_00001.json", "rank_00001.safetensors", "replica_of_rank_00000"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ background, verified as they are read; auto-resume with a collective fallback.
 
 What a checkpoint holds (``podtrain.ckpt.layout`` shows the files): the unwrapped model weights
 and the optimizer state by parameter NAME (``podtrain.ckpt.statedict``), the GradScaler state,
-every rank's RNG states, the loop's train state, the model config. Nothing is pickled.
+each rank's RNG states (in its sidecar), the loop's train state, the model config. Nothing is pickled.
 
 Saving: every rank computes the same plan of who writes what (``podtrain.ckpt.plan``: FSDP/HSDP
 shards by their holder, whole tensors split ~1/N per rank), copies its share into the host slabs
@@ -52,7 +52,7 @@ from podtrain.ckpt.restore import RestoreMixin
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
-from podtrain.ckpt.statedict import is_dtensor, local_pieces, named_state
+from podtrain.ckpt.statedict import is_dtensor, local_pieces, mesh_record, named_state
 from podtrain.ckpt.store import open_store
 from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, tensor_table
 from podtrain.config_sections import CkptSection
@@ -326,6 +326,7 @@ class Checkpointer(RestoreMixin):
         if self.ctx.is_main:
             sink = job.small.__setitem__
             job.tensors = tensor_table(named.tensors)
+            job.mesh = mesh_record(named.tensors)
             job.state_plain = {
                 "aliases": named.aliases,
                 "optimizer_values": to_plain(named.values, sink, "optimizer_values"),

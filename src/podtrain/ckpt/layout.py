@@ -5,12 +5,15 @@
     CKPT_DIR/step_000123/              one checkpoint (the same layout for ddp, fsdp, hsdp, any world size)
         rank_00000.safetensors         rank 0's pieces: flat ranges of tensors (podtrain.ckpt.plan)
         rank_00001.safetensors         ... every rank that holds pieces writes its own file, in parallel
-        state.safetensors              small tensors: every rank's RNG states, scaler, train state
+        meta_00000.json                rank 0's sidecar: its pieces (offset, range, block CRC-32s),
+        meta_00001.json                its file's size, its RNG states (podtrain.ckpt.sidecar)
+        state.safetensors              small tensors: scaler, train state
         state.json                     everything else, plain JSON: train state, optimizer
                                        hyperparameters by parameter name, tied-weight aliases
         config.json                    the transformers model config
-        manifest.json                  written LAST by rank 0: the commit. Tensors (shape, dtype),
-                                       every file's size, every piece (offset, range, block CRC-32s)
+        manifest.json                  written LAST by rank 0: the commit. O(tensors): each tensor's
+                                       shape, dtype and split rule; the small files' sizes and
+                                       CRC-32s; the ranks' files as a count and a total
     CKPT_DIR/latest                    "step_000123", written after the manifest (a hint)
     CKPT_DIR/abandoned/                checkpoints of a timeline a later save superseded
 
@@ -48,13 +51,17 @@ log = logging.getLogger("podtrain.checkpoint")
 CKPT_SUBDIR = "ckpt"
 LATEST = "latest"
 MANIFEST = "manifest.json"
-FORMAT = "podtrain-ckpt/2"
+FORMAT = "podtrain-ckpt/3"
+READABLE_FORMATS = (FORMAT, "podtrain-ckpt/2")
+"""Formats a resume reads: /3 keeps each rank's pieces in its sidecar; /2 kept them in the manifest."""
 OLD_FORMATS = {"podtrain-ckpt/1": "the podtrain-ckpt/1 layout (ckpt.format=safetensors/dcp/sharded)"}
 ABANDONED = "abandoned"
 STATE_FILE = "state.safetensors"
 STATE_JSON = "state.json"
 CONFIG_JSON = "config.json"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
+_RANK_FILE_RE = re.compile(r"^rank_\d{5,}\.safetensors$")
+_SIDECAR_RE = re.compile(r"^meta_\d{5,}\.json$")
 # Files a checkpoint may hold: safetensors and JSON only (both parsed without running code).
 _ALLOWED = re.compile(r"^[A-Za-z0-9_.\-]+\.(?:safetensors|json)$")
 _PICKLE_SUFFIXES = {".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt", ".distcp", ".metadata", ".npy", ".npz"}
@@ -220,7 +227,7 @@ def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
         raise UserError(f"checkpoint {store.url}/{name} has {OLD_FORMATS[fmt]}, which this podtrain no "
                         f"longer reads (it reads {FORMAT}): resume it with the podtrain that wrote it, "
                         "or start a new run.dir")
-    if fmt != FORMAT or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+    if fmt not in READABLE_FORMATS or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
         raise ValueError(f"manifest.json is not a {FORMAT} manifest")
     for rel in manifest["files"]:
         if not _ALLOWED.match(rel):
@@ -238,6 +245,14 @@ def size_problem(store, name: str, manifest: dict[str, Any], entries: list[Entry
             return f"{rel} is missing"
         if sizes[rel] != rec.get("bytes"):
             return f"{rel} has {sizes[rel]} bytes, the manifest says {rec.get('bytes')}"
+    ranks = manifest.get("ranks")
+    if ranks is not None:  # podtrain-ckpt/3: the ranks' files, as a count and a total
+        for what, pattern, count, total in (("sidecars", _SIDECAR_RE, "sidecars", "sidecar_bytes"),
+                                            ("piece files", _RANK_FILE_RE, "piece_files", "piece_bytes")):
+            found = [size for rel, size in sizes.items() if pattern.match(rel)]
+            if (len(found), sum(found)) != (ranks.get(count), ranks.get(total)):
+                return (f"its {what} are {len(found)} file(s) of {sum(found)} bytes in all; the manifest "
+                        f"says {ranks.get(count)} of {ranks.get(total)} bytes")
     return None
 
 

@@ -2,16 +2,20 @@
 
 Three phases, so that the caller can agree between them (``Checkpointer.restore``):
 
-1. ``prepare`` (each rank alone, no collective): state.json and the manifest's piece tables,
-   this run's targets from ``get_state_dict`` (DTensor shards under FSDP/HSDP, whole tensors
-   under DDP), names and shapes checked against the checkpoint (a one-line ``UserError``);
+1. ``prepare`` (each rank alone, no collective): state.json, this run's targets from
+   ``get_state_dict`` (DTensor shards under FSDP/HSDP, whole tensors under DDP), names and shapes
+   checked against the checkpoint (a one-line ``UserError``), the ranges this rank reads, and
+   the piece tables of just the saved ranks that hold them (``podtrain.ckpt.sidecar``: at the
+   saved world size and strategy, its own; a ``podtrain-ckpt/2`` manifest has them inline);
 2. ``read`` (each rank alone): a DTensor target is filled with the flat range its local shard
-   holds; the tensors every rank holds whole are split over the ranks (``plan.split_even`` over
-   THIS run's ranks) and each rank reads only its ranges. Bytes go through the rank's bounded
-   staging pool in whole checksum blocks, each block's CRC-32 checked as it arrives
-   (``CorruptCheckpoint`` on a mismatch). No rank reads the whole checkpoint;
+   holds (under HSDP by one replica group per tensor, ``statedict.replica_groups``); the tensors
+   every rank holds whole are split over the ranks (``plan.split_even`` over THIS run's ranks)
+   and each rank reads only its ranges. Bytes go through the rank's bounded staging pool in
+   whole checksum blocks, each block's CRC-32 checked as it arrives (``CorruptCheckpoint`` on a
+   mismatch). No rank reads the whole checkpoint, and under HSDP no shard is read twice;
 3. ``finish`` (collective): every whole tensor's ranges are broadcast from the rank that read
-   them, then ``set_state_dict`` applies everything.
+   them, every HSDP shard over its replicate group from the replica that read it, then
+   ``set_state_dict`` applies everything.
 
 Why broadcast instead of every DDP rank reading everything: a shared file system (FSx for
 Lustre, S3) serves the whole job from the same targets, so N ranks each reading the full state
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from podtrain.ckpt import layout
+from podtrain.ckpt import layout, sidecar
 from podtrain.ckpt.coalesce import Chunk, Read, coalesce, split
 from podtrain.ckpt.host_buffers import StagingPool, byte_array
 from podtrain.ckpt.plan import BLOCK_BYTES, Piece, spans
 from podtrain.ckpt.state import from_plain
-from podtrain.ckpt.statedict import NamedState, apply_state, dtensor_range, flat_local, is_dtensor, named_state, plain_plan
+from podtrain.ckpt.statedict import (NamedState, apply_state, dtensor_range, flat_local, is_dtensor, named_state,
+                                     plain_plan, replica_groups, replicate_broadcasts)
 from podtrain.ckpt.tensorio import DTYPES, check_json_record, decode_small, verify_blocks
 from podtrain.errors import UserError
 
@@ -57,6 +63,19 @@ class LoadPlan:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     plain: list[list[tuple[str, int, int]]] = field(default_factory=list)
     """Each rank's ranges of the whole tensors (read by it, broadcast from it)."""
+    wanted: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """What this rank reads: ``(tensor, first element, elements, first element of its target)``."""
+    readers: dict[str, int] = field(default_factory=dict)
+    """The replica group that reads each DTensor (HSDP: the others receive it in ``finish``)."""
+    rng: dict[str, Any] | None = None
+    """This rank's saved RNG states (None when the world size changed)."""
+    saved_ranks_read: list[int] = field(default_factory=list)
+    """The saved ranks whose sidecars this rank parsed (its own, at the saved world size)."""
+    metadata_bytes_parsed: int = 0
+    """Bytes of checkpoint metadata this rank parsed: state.json and the sidecars it read, plus
+    the manifest (JSON, as rank 0 read it); a bench's measure of the resume's metadata cost."""
+    metadata_s: float = 0.0
+    """Seconds this rank spent reading and indexing its metadata (``prepare``)."""
 
 
 def read_small(store, name: str, manifest: dict, rel: str) -> bytes:
@@ -66,9 +85,19 @@ def read_small(store, name: str, manifest: dict, rel: str) -> bytes:
     return data
 
 
-def piece_index(manifest: dict) -> dict[str, list[Piece]]:
-    """Every stored piece, by tensor name, from the manifest."""
+def piece_index(manifest: dict, store=None, name: str | None = None) -> dict[str, list[Piece]]:
+    """Every stored piece, by tensor name: from the manifest (``podtrain-ckpt/2``), else from
+    every rank's sidecar in ``store`` (a whole-checkpoint operation: ``verify``, tools)."""
     out: dict[str, list[Piece]] = {}
+    if sidecar.is_sidecar_format(manifest):
+        if store is None:
+            raise ValueError("a podtrain-ckpt/3 manifest keeps its pieces in the ranks' sidecars: pass the store")
+        for rank in range(int(manifest["world_size"])):
+            rel = sidecar.sidecar(rank)
+            body = sidecar.decode(store.read_bytes(f"{name}/{rel}"), f"{store.url}/{name}/{rel}")
+            for piece in sidecar.pieces_of(body):
+                out.setdefault(piece.tensor, []).append(piece)
+        return out
     for rel, rec in manifest["files"].items():
         for item in rec.get("pieces", []):
             piece = Piece.from_json(rel, item)
@@ -79,16 +108,40 @@ def piece_index(manifest: dict) -> dict[str, list[Piece]]:
 def prepare(store, name: str, manifest: dict, net: nn.Module, optimizer: torch.optim.Optimizer,
             rank: int, world: int) -> LoadPlan:
     """Phase 1 (no collective): the plan; a checkpoint of another model is a one-line UserError."""
+    t0 = time.perf_counter()
     where = f"{store.url}/{name}"
-    raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON))
+    state_json = read_small(store, name, manifest, layout.STATE_JSON)
+    raw = json.loads(state_json)
     small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
     stored = manifest.get("tensors", {})
     has_optimizer = any(k.startswith("optim/") for k in stored)
     targets = named_state(net, optimizer, with_optimizer=has_optimizer, stored=stored)
     _check_fit(where, stored, targets.tensors)
-    plan = LoadPlan(where, manifest, raw, small, targets, piece_index(manifest))
+    plan = LoadPlan(where, manifest, raw, small, targets)
     plan.plain = plain_plan(targets.tensors, world)
+    plan.readers = replica_groups(targets.tensors)
+    for tname, t in targets.tensors.items():
+        if is_dtensor(t):
+            start, count, reads = dtensor_range(tname, t, plan.readers.get(tname, 0))
+            if count and reads:
+                plan.wanted.append((tname, start, count, start))
+    plan.wanted += [(tname, start, count, 0) for tname, start, count in plan.plain[rank]]
+    plan.metadata_bytes_parsed = len(state_json) + len(json.dumps(manifest, separators=(",", ":")))
+    if sidecar.is_sidecar_format(manifest):
+        found = sidecar.index(store, name, manifest, [w[:3] for w in plan.wanted], rank, world)
+        plan.pieces, plan.rng, plan.saved_ranks_read = found.pieces, found.rng, found.ranks_read
+        plan.metadata_bytes_parsed += found.bytes_parsed
+    else:  # podtrain-ckpt/2: every piece in the manifest, every rank's RNG states in state.json
+        plan.pieces = piece_index(manifest)
+        rngs = raw.get("rng") or []
+        plan.rng = from_plain(rngs[rank], small) if len(rngs) == world else None
+    plan.metadata_s = time.perf_counter() - t0
     return plan
+
+
+def saved_world_size(manifest: dict) -> int:
+    """How many ranks wrote the checkpoint."""
+    return int(manifest.get("world_size") or 0)
 
 
 def _check_fit(where: str, stored: dict, targets: dict[str, torch.Tensor]) -> None:
@@ -111,13 +164,8 @@ def read(plan: LoadPlan, store, name: str, rank: int, pool: StagingPool) -> int:
     release the GIL), each through one pool slab: blocks verified, then copied out."""
     cap = max(BLOCK_BYTES, pool.slab_bytes // BLOCK_BYTES * BLOCK_BYTES)
     chunks: list[Chunk] = []
-    for tname, t in plan.targets.tensors.items():
-        if is_dtensor(t):
-            start, count, _ = dtensor_range(tname, t)
-            if count:
-                chunks += _chunks(plan, name, tname, flat_local(t), start, count, start, cap)
-    for tname, start, count in plan.plain[rank]:
-        chunks += _chunks(plan, name, tname, flat_local(plan.targets.tensors[tname]), start, count, 0, cap)
+    for tname, start, count, dst_start in plan.wanted:
+        chunks += _chunks(plan, name, tname, flat_local(plan.targets.tensors[tname]), start, count, dst_start, cap)
     reads = coalesce(chunks, cap)
     failed = threading.Event()
 
@@ -198,20 +246,25 @@ def _place(plan: LoadPlan, buf: torch.Tensor, d: _Dest) -> None:
 
 
 def finish(plan: LoadPlan, net: nn.Module, optimizer: torch.optim.Optimizer, cpu_group=None) -> dict[str, Any]:
-    """Phase 3 (collective, every rank): broadcast the whole tensors' ranges from their readers,
-    apply the state. Returns the rest of state.json decoded (train state, scaler, rng)."""
+    """Phase 3 (collective, every rank): broadcast the whole tensors' ranges from their readers
+    and the HSDP shards over their replicate groups, apply the state. Returns the rest of
+    state.json decoded (train state, scaler) and ``rng``: this rank's saved RNG states or None."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         for src, ranges in enumerate(plan.plain):
             for tname, start, count in ranges:
                 t = flat_local(plan.targets.tensors[tname])
                 group = cpu_group if t.device.type == "cpu" else None  # a CPU tensor under NCCL
                 dist.broadcast(t[start:start + count], src=src, group=group)
+        for flat, src, group in replicate_broadcasts(plan.targets.tensors, plan.readers):
+            dist.broadcast(flat, src=src, group=group)
     groups = from_plain(plan.raw.get("optimizer_values") or {}, {})
     if plan.targets.optim_sd is not None:
         plan.targets.optim_sd.update(groups)
         plan.targets.values.update(groups)
     apply_state(net, optimizer, plan.targets)
-    return {k: from_plain(v, plan.small) for k, v in plan.raw.items() if k not in ("optimizer_values", "aliases")}
+    out = {k: from_plain(v, plan.small) for k, v in plan.raw.items() if k not in ("optimizer_values", "aliases", "rng")}
+    out["rng"] = plan.rng
+    return out
 
 
 def shape_of(manifest: dict, tname: str) -> tuple[int, ...]:

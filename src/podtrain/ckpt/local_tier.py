@@ -6,7 +6,8 @@ single rank can see a local checkpoint whole and rank 0's manifest alone cannot 
 layout is the durable one (``podtrain.ckpt.layout``), plus one marker per rank::
 
     LOCAL_DIR/<lineage>/step_000120/rank_00003.safetensors   rank 3's pieces (as in the durable tier)
-    LOCAL_DIR/<lineage>/step_000120/rank_00003.json          rank 3's commit, after its piece file
+    LOCAL_DIR/<lineage>/step_000120/meta_00003.json          rank 3's sidecar (pieces, RNG states)
+    LOCAL_DIR/<lineage>/step_000120/rank_00003.json          rank 3's commit, after its piece file and sidecar
     LOCAL_DIR/<lineage>/step_000120/manifest.json, state.*   rank 0's node only: manifest, small state
 
 Each run keeps its own folder (``podtrain.ckpt.lineage``): runs that share one ``ckpt.local_dir``
@@ -28,6 +29,7 @@ import json
 import logging
 
 from podtrain.ckpt import layout
+from podtrain.ckpt.sidecar import sidecar
 from podtrain.ckpt.store import NotFound, StorageError
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -44,7 +46,7 @@ def marker(rank: int) -> str:
 
 def own_files(rank: int) -> list[str]:
     """The files of one step that rank ``rank`` writes in the local tier (its marker first)."""
-    return [marker(rank), layout.rank_file(rank), *(_RANK0_FILES if rank == 0 else ())]
+    return [marker(rank), layout.rank_file(rank), sidecar(rank), *(_RANK0_FILES if rank == 0 else ())]
 
 
 def write_marker(store, name: str, rank: int, world: int, record: tuple | None,

@@ -134,3 +134,28 @@ def spans(pieces: Iterable[Piece], start: int, count: int, esize: int, block: in
     if covered != count:
         raise ValueError(f"elements {start}..{start + count} are not all stored ({covered} found)")
     return out
+
+
+def assign_replicas(items: Sequence[tuple[str, int]], replicas: int) -> dict[str, int]:
+    """Which replica group writes (and, at resume, reads) each sharded tensor ``(name, bytes)``:
+    byte-balanced (largest first, to the least loaded group; ties by name and group index), so
+    each of ``replicas`` groups moves ~1/R of the checkpoint. Every rank computes the same."""
+    load = [0] * max(1, replicas)
+    out: dict[str, int] = {}
+    for name, nbytes in sorted(items, key=lambda item: (-item[1], item[0])):
+        group = min(range(len(load)), key=lambda g: (load[g], g))
+        out[name] = group
+        load[group] += nbytes
+    return out
+
+
+def shards_overlapping(shape: Sequence[int], num_shards: int, start: int, count: int) -> range:
+    """The indices of the ``shard_range`` shards (of ``num_shards``) holding any of elements
+    ``[start, start + count)``: O(1), whatever the number of shards."""
+    if count <= 0:
+        return range(0)
+    rows = shape[0] if shape else 1
+    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    chunk = max(1, -(-rows // num_shards)) if rows else 1
+    first, last = start // per_row // chunk, (start + count - 1) // per_row // chunk
+    return range(min(first, num_shards - 1), min(last, num_shards - 1) + 1)

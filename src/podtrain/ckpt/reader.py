@@ -42,7 +42,8 @@ class CheckpointData:
     model_state: dict[str, torch.Tensor]
     """Weights by unwrapped name, tied names included."""
     state: dict[str, Any]
-    """Decoded state.json: scaler, rng (per rank), train_state, optimizer values."""
+    """Decoded state.json: scaler, train_state, optimizer values (and, podtrain-ckpt/2 only, every
+    rank's rng; /3 keeps each rank's in its sidecar)."""
     model_config: dict[str, Any] | None
     """The transformers model config (config.json), when the model had one."""
     optimizer: dict[str, torch.Tensor] | None = None
@@ -52,7 +53,7 @@ class CheckpointData:
 
 def read_tensors(store, name: str, manifest: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every stored tensor whose name starts with ``prefix`` (dropped), whole, blocks verified."""
-    index = piece_index(manifest)
+    index = piece_index(manifest, store, name)  # a whole checkpoint: every rank's sidecar
     out = {}
     for tname, info in manifest.get("tensors", {}).items():
         if not tname.startswith(prefix):

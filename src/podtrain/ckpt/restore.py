@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from podtrain.ckpt import layout, lineage, local_tier, replicas
-from podtrain.ckpt.load import finish, prepare, read, read_small
+from podtrain.ckpt.load import finish, prepare, read, read_small, saved_world_size
 from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import CorruptCheckpoint
@@ -67,6 +67,8 @@ class RestoreMixin:
         """See ``_restore``; also records ``restore_budget`` (seconds, bytes by source)."""
         t0 = time.perf_counter()
         self.bytes_read, self.peer_bytes, self._restored_local = 0, 0, False
+        self.last_load: dict[str, Any] = {}
+        """This rank's last load: metadata bytes parsed and seconds, saved ranks whose sidecars it read."""
         state = self._restore(model, optimizer, scaler, check, resume, fresh)
         local = state is not None and self._restored_local
         mine = [0 if state is None else self.bytes_read, self.peer_bytes]
@@ -278,18 +280,19 @@ class RestoreMixin:
         self._last_step = step
         if choice["root"] is None and store is self.store:
             self._newest = step
-        rngs = raw.get("rng") or []
-        if len(rngs) != self.ctx.world_size and self.ctx.is_main:
+        saved_world = saved_world_size(manifest)
+        if saved_world != self.ctx.world_size and self.ctx.is_main:
             log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
                         "restored (data order depends only on the seed and the loader position)",
-                        where, len(rngs), self.ctx.world_size)
+                        where, saved_world, self.ctx.world_size)
+        self.last_load = {"metadata_bytes_parsed": plan.metadata_bytes_parsed, "metadata_s": plan.metadata_s,
+                          "saved_ranks_read": plan.saved_ranks_read, "bytes_read": self.bytes_read}
         ts = raw.get("train_state") or {}
         log.info("resumed from %s (step %d) in %.1f s, %.1f MB read by this rank", where, step,
                  time.perf_counter() - t0, self.bytes_read / 1e6)
         return ResumeState(path=where, step=int(ts.get("step", step)), tokens_seen=int(ts.get("tokens_seen", 0)),
                            run_id=ts.get("run_id"), loader=ts.get("loader"),
-                           rng=rngs[self.ctx.rank] if len(rngs) == self.ctx.world_size else None,
-                           saved_world_size=len(rngs), train_state=ts)
+                           rng=raw.get("rng"), saved_world_size=saved_world, train_state=ts)
 
     def _choose(self, resume: str, failed: set[str]) -> dict | None:
         """Rank 0: clean up unfinished saves of this lineage's location (its lease makes them

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from podtrain.ckpt.plan import shard_range, split_even
+from podtrain.ckpt.plan import assign_replicas, shard_range, split_even
 
 
 def _options():
@@ -145,17 +145,41 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def dtensor_range(name: str, t: Any) -> tuple[int, int, bool]:
+def _replicate_dims(t: Any) -> list[int]:
+    from torch.distributed.tensor import Replicate
+
+    return [d for d, p in enumerate(t.placements) if isinstance(p, Replicate)]
+
+
+def replica_groups(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """``{name: replica group}`` of the DTensors: which group along the mesh's first replicate
+    dimension writes a tensor's shards and, at resume, reads them for the others (HSDP: each group
+    ~1/R of the bytes, ``plan.assign_replicas``; FSDP: one group). The same on every rank."""
+    items, replicas = [], 1
+    for name, t in tensors.items():
+        if is_dtensor(t):
+            items.append((name, t.numel() * t.element_size()))
+            dims = _replicate_dims(t)
+            if dims:
+                replicas = max(replicas, t.device_mesh.size(dims[0]))
+    return assign_replicas(items, replicas)
+
+
+def dtensor_range(name: str, t: Any, replica: int = 0) -> tuple[int, int, bool]:
     """``(start, count, primary)`` of the flat range of ``t``'s whole tensor this rank's local shard
-    holds; ``primary`` is False on a replica that need not write it (HSDP: the first replica group
-    writes). Only FSDP2's placements are supported: ``Shard(0)`` and ``Replicate``."""
+    holds; ``primary``: this rank writes (and reads) it, i.e. it lies in replica group ``replica``
+    along the first replicate dimension (``replica_groups``) and at 0 along any other. Only
+    FSDP2's placements are supported: ``Shard(0)`` and ``Replicate``."""
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, coordinate = t.device_mesh, t.device_mesh.get_coordinate() or []
     start, count, primary, sharded = 0, t.numel(), True, False
+    first_replicate = True
     for dim, placement in enumerate(t.placements):
         if isinstance(placement, Replicate):
-            primary = primary and coordinate[dim] == 0
+            want = replica % mesh.size(dim) if first_replicate else 0
+            primary = primary and coordinate[dim] == want
+            first_replicate = False
         elif isinstance(placement, Shard) and placement.dim == 0 and not sharded:
             start, count = shard_range(tuple(t.shape), coordinate[dim], mesh.size(dim))
             sharded = True
@@ -164,6 +188,50 @@ def dtensor_range(name: str, t: Any) -> tuple[int, int, bool]:
     if t.to_local().numel() != count:
         raise ValueError(f"{name}: local shard has {t.to_local().numel()} elements, expected {count}")
     return start, count, primary
+
+
+def split_rule(t: torch.Tensor, replica: int) -> dict[str, Any]:
+    """How a tensor is cut over the ranks that write it, as the manifest records it (one entry per
+    tensor, whatever the world size): ``{"rule": "even"}`` for a tensor every rank holds whole
+    (``plan.split_even`` over the saved ranks), else its placement per mesh dimension (``"RS"``:
+    replicate x ``Shard(0)``) and the replica group that wrote it."""
+    from torch.distributed.tensor import Replicate
+
+    if not is_dtensor(t):
+        return {"rule": "even"}
+    return {"rule": "".join("R" if isinstance(p, Replicate) else "S" for p in t.placements), "replica": replica}
+
+
+def mesh_record(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The device mesh the DTensors live on, as the manifest records it once: its shape, and its
+    ranks only when they are not ``arange(world)`` in row-major order (FSDP2's and podtrain's)."""
+    t = next((t for t in tensors.values() if is_dtensor(t)), None)
+    if t is None:
+        return None
+    mesh = t.device_mesh.mesh
+    record: dict[str, Any] = {"shape": list(mesh.shape)}
+    ranks = mesh.reshape(-1).tolist()
+    if ranks != list(range(len(ranks))):
+        record["ranks"] = ranks
+    return record
+
+
+def replicate_broadcasts(tensors: dict[str, torch.Tensor], readers: dict[str, int]):
+    """``(flat local tensor, source global rank, replicate group)`` for each DTensor whose shard
+    one replica group read at resume (``readers``) and the others receive: every rank lists the
+    same tensors in the same order."""
+    for name, t in tensors.items():
+        if not is_dtensor(t):
+            continue
+        dims = _replicate_dims(t)
+        if not dims or t.device_mesh.size(dims[0]) < 2 or not t.to_local().numel():
+            continue
+        mesh = t.device_mesh
+        coords = list(mesh.get_coordinate())
+        coords[dims[0]] = readers.get(name, 0) % mesh.size(dims[0])
+        for other in dims[1:]:
+            coords[other] = 0
+        yield flat_local(t), int(mesh.mesh[tuple(coords)]), mesh.get_group(dims[0])
 
 
 def flat_local(t: torch.Tensor) -> torch.Tensor:
@@ -180,11 +248,13 @@ def plain_plan(tensors: dict[str, torch.Tensor], world: int) -> list[list[tuple[
 
 def local_pieces(tensors: dict[str, torch.Tensor], rank: int, world: int) -> list[tuple[str, int, torch.Tensor]]:
     """What this rank writes: ``(tensor name, first element, flat tensor of the range)``, in order:
-    its DTensor shards (primary replica only), then its share of the whole tensors."""
+    its DTensor shards (those its replica group writes: ``replica_groups``), then its share of the
+    whole tensors."""
     out = []
+    groups = replica_groups(tensors)
     for name, t in tensors.items():
         if is_dtensor(t):
-            start, count, primary = dtensor_range(name, t)
+            start, count, primary = dtensor_range(name, t, groups.get(name, 0))
             if primary and count:
                 out.append((name, start, flat_local(t)))
     for name, start, count in plain_plan(tensors, world)[rank]:

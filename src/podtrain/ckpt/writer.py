@@ -4,20 +4,28 @@ The step loop hands a ``SaveJob`` to ``CheckpointWriter.submit``; one background
 then runs the save's collectives, in a fixed order, on a gloo group of its own (created by every
 rank in ``__init__``), so they never interleave with the main thread's collectives:
 
-1. every rank sends its RNG states to every rank (small);
-2. rank 0 clears the step's directory (an earlier timeline's, or a killed save's) and says so;
-3. every rank holding pieces writes its own file (``layout.rank_file``) in parallel, streaming
+1. rank 0 clears the step's directory (an earlier timeline's, or a killed save's) and says so;
+2. every rank holding pieces writes its own file (``layout.rank_file``) in parallel, streaming
    the bytes from the step loop's host copies (``podtrain.ckpt.staging``) and computing the block
    CRC-32s in the same pass; the file appears only complete (the store's atomic ``open_write``);
-4. the ranks exchange their outcome and piece tables;
-5. rank 0 writes the small files, then ``manifest.json`` (the commit), then ``latest``, applies
-   retention, and tells every rank the result. On any failure it removes the step's directory, so
-   the last good checkpoint stays the newest, and every rank's job carries the same error.
+   then every rank writes its sidecar (``podtrain.ckpt.sidecar``: its pieces' table, its file's
+   size, its RNG states), which only it (or a resume needing its pieces) ever reads;
+3. rank 0 alone gathers each rank's outcome and byte counts (``gather_object``: O(1) per rank,
+   nothing per rank goes to every rank);
+4. rank 0 writes the small files, then ``manifest.json`` (the commit: O(tensors), one rule per
+   tensor, a count and a total of the ranks' files), then ``latest``, applies retention, and
+   broadcasts the result. On any failure it removes the step's directory, so the last good
+   checkpoint stays the newest, and every rank's job carries the same error.
+
+``SaveJob.received_bytes`` counts the pickled bytes this rank received in the save's object
+collectives (``CheckpointWriter.last_save["received_bytes"]`` after a save, for benches): O(1) on
+every rank but rank 0, which receives O(world) records of a few bytes. (The peer replicas' outcome
+exchange after a local save, ``_replicate``, still all_gathers one small object per rank.)
 
 The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same protocol into a
 directory that no single rank sees whole: every rank clears and later prunes only its own files,
-and commits its part with its own marker (``local_tier.marker``) after its piece file; rank 0's
-manifest holds every rank's piece table as usual. No ``latest``: a step is complete when every
+and commits its part with its own marker (``local_tier.marker``) after its piece file and sidecar;
+rank 0's manifest is the durable tier's. No ``latest``: a step is complete when every
 rank's marker and rank 0's manifest exist. Then (``ckpt.local_replicas``) every rank copies its
 files to its peers on other nodes over the same group (``podtrain.ckpt.replicas``).
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -38,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from podtrain import __version__
-from podtrain.ckpt import layout, local_tier, replicas
+from podtrain.ckpt import layout, local_tier, replicas, sidecar
 from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.staging import SaveStream
-from podtrain.ckpt.state import to_plain
+from podtrain.ckpt.statedict import replica_groups, split_rule
 from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
@@ -76,7 +85,10 @@ class SaveJob:
     pieces: list[tuple[str, int, int]] = field(default_factory=list)
     """``(tensor, start, count)`` of each piece in the stream, in file order."""
     tensors: dict[str, dict] = field(default_factory=dict)
-    """Every tensor of the checkpoint: ``{name: {"shape", "dtype"}}`` (rank 0 records it)."""
+    """Every tensor of the checkpoint: ``{name: {"shape", "dtype", "rule"[, "replica"]}}``
+    (``tensor_table``; rank 0 records it)."""
+    mesh: dict[str, Any] | None = None
+    """The DTensors' device mesh (``statedict.mesh_record``; rank 0 records it), or None."""
     state_plain: dict[str, Any] = field(default_factory=dict)
     small: dict[str, torch.Tensor] = field(default_factory=dict)
     """Small tensors referenced by ``state_plain`` (rank 0 writes them)."""
@@ -95,6 +107,8 @@ class SaveJob:
     replica_bytes: int = 0
     """Bytes of peer replicas this rank received after a local save."""
     replica_s: float = 0.0
+    received_bytes: int = 0
+    """Pickled bytes this rank received in the save's object collectives."""
 
 
 class CheckpointWriter:
@@ -177,7 +191,7 @@ class CheckpointWriter:
             job.write_s = time.perf_counter() - t0
             if job.error is None:
                 self.last_save = {"step": job.step, "stall_s": job.stall_s, "write_s": job.write_s,
-                                  "bytes": job.nbytes}
+                                  "bytes": job.nbytes, "received_bytes": job.received_bytes}
                 if self.ctx.is_main:
                     mb = job.nbytes / 1e6
                     log.info("checkpoint step %d %s: %.1f MB written by %d rank(s) in %.2f s "
@@ -194,26 +208,24 @@ class CheckpointWriter:
 
     def _write_collectively(self, job: SaveJob) -> None:
         name = layout.step_name(job.step)
-        rngs = self._all_gather(job.rng)
         if self.local:  # nobody sees the whole tier: each rank clears its own files
-            error = next((e for e in self._all_gather(self._outcome(local_tier.clear, self.store, name,
-                                                                    self.ctx.rank)) if e), None)
+            error = self._first_error(job, self._outcome(local_tier.clear, self.store, name, self.ctx.rank))
         else:
-            error = self._broadcast(self._outcome(self._prepare, name) if self.ctx.is_main else None)
+            error = self._broadcast(self._outcome(self._prepare, name) if self.ctx.is_main else None, job)
         out: dict[str, Any] = {}
-        if error is None and job.stream is not None:
+        if error is None:
             error = self._outcome(self._write_own, job, name, out)
         if error is None and self.local:
             error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
                                   self.ctx.world_size, out.get("record"), job.lineage.get("lineage"))
-        reports = self._all_gather((error, out.get("record")))
-        error = next((e for e, _ in reports if e), None)
+        reports = self._gather((error, out.get("sizes")), job)
         if self.ctx.is_main:
+            error = next((e for e, _ in reports if e), None)
             if error is None:
-                error = self._outcome(self._commit, job, name, rngs, [r for _, r in reports])
+                error = self._outcome(self._commit, job, name, [r for _, r in reports])
             if error is not None and not self.local:
                 self._outcome(layout.remove, self.store, name)  # no half-written checkpoint stays
-        error = self._broadcast(error)
+        error = self._broadcast(error, job)
         if self.local:
             if error is not None:
                 self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
@@ -271,23 +283,27 @@ class CheckpointWriter:
         layout.remove(self.store, name)
 
     def _write_own(self, job: SaveJob, name: str, out: dict) -> None:
-        """This rank's piece file, streamed from the staging slabs, block CRCs in the same pass."""
-        rel = layout.rank_file(self.ctx.rank)
-        with self.store.open_write(f"{name}/{rel}") as fh:
-            head, crcs, nbytes = write_pieces(fh, job.stream.specs[rel], job.stream.chunks(rel),
-                                              {"format": "pt", "podtrain": __version__})
-        pieces, offset = [], head
-        for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
-            pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
-            offset += spec.nbytes
-        out["record"] = (rel, {"bytes": nbytes, "pieces": pieces})
+        """This rank's piece file (when it holds pieces), streamed from the staging slabs, block
+        CRCs in the same pass; then its sidecar (always: it carries the rank's RNG states)."""
+        rel, nbytes, pieces = None, 0, []
+        if job.stream is not None:
+            rel = layout.rank_file(self.ctx.rank)
+            with self.store.open_write(f"{name}/{rel}") as fh:
+                head, crcs, nbytes = write_pieces(fh, job.stream.specs[rel], job.stream.chunks(rel),
+                                                  {"format": "pt", "podtrain": __version__})
+            offset = head
+            for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
+                pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
+                offset += spec.nbytes
+        meta = sidecar.encode(rel, nbytes, pieces, job.rng)
+        self.store.write_bytes(f"{name}/{sidecar.sidecar(self.ctx.rank)}", meta)
+        out["record"] = (rel, {"bytes": nbytes}) if rel else None
+        out["sizes"] = (nbytes if rel else None, len(meta))
 
-    def _commit(self, job: SaveJob, name: str, rngs: list[dict], records: list) -> None:
+    def _commit(self, job: SaveJob, name: str, sizes: list) -> None:
         """Rank 0: the small files, the manifest (the commit), ``latest``, retention."""
         small = dict(job.small)
-        state = {"step": job.step, **job.state_plain,
-                 "rng": [to_plain(r, small.__setitem__, f"rng/{i}") for i, r in enumerate(rngs)]}
-        files: dict[str, dict] = dict(r for r in records if r is not None)
+        state = {"step": job.step, **job.state_plain}
         blobs = {layout.STATE_FILE: encode_small({k: v.detach().cpu().contiguous() for k, v in small.items()}),
                  layout.STATE_JSON: json.dumps(state, indent=1).encode()}
         if job.model_config is not None:
@@ -295,17 +311,37 @@ class CheckpointWriter:
         lost = self.still_owned()
         if lost is not None:
             raise UserError(f"not committed: {lost} (another job owns this run now)")
+        files: dict[str, dict] = {}
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        piece_files = [b for b, _ in sizes if b is not None]
+        ranks = {"sidecars": len(sizes), "sidecar_bytes": sum(m for _, m in sizes),
+                 "piece_files": len(piece_files), "piece_bytes": sum(piece_files)}
         manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__, **job.lineage,
                     "world_size": self.ctx.world_size, "strategy": job.strategy, "created": time.time(),
-                    "tensors": job.tensors, "files": files}
+                    "mesh": job.mesh, "tensors": job.tensors, "files": files, "ranks": ranks}
         self.store.write_bytes(f"{name}/{layout.MANIFEST}", json.dumps(manifest, separators=(",", ":")).encode())
-        job.nbytes = sum(r["bytes"] for r in files.values())
+        job.nbytes = sum(r["bytes"] for r in files.values()) + ranks["piece_bytes"] + ranks["sidecar_bytes"]
         if not self.local:  # the local tier: every rank prunes its own files (above)
             layout.write_latest(self.store, name)
             layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage)
+
+    def _first_error(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Every rank: the first rank's error of a step every rank ran (rank 0 gathers, broadcasts)."""
+        errors = self._gather(error, job)
+        return self._broadcast(next((e for e in errors if e), None) if self.ctx.is_main else None, job)
+
+    def _gather(self, obj: Any, job: SaveJob) -> list[Any]:
+        """Every rank sends ``obj`` to rank 0 alone; rank 0 gets the list (others: [])."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        if out is None:
+            return []
+        job.received_bytes += sum(len(pickle.dumps(o)) for i, o in enumerate(out) if i != self.ctx.rank)
+        return out
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.group is None:
@@ -314,14 +350,19 @@ class CheckpointWriter:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _broadcast(self, obj: Any) -> Any:
+    def _broadcast(self, obj: Any, job: SaveJob | None = None) -> Any:
         if self.group is None:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
+        if job is not None and not self.ctx.is_main:
+            job.received_bytes += len(pickle.dumps(box[0]))
         return box[0]
 
 
 def tensor_table(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """``{name: {"shape": [...], "dtype": "F32"}}`` of the whole tensors (DTensors: global shape)."""
-    return {n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors.items()}
+    """``{name: {"shape": [...], "dtype": "F32", "rule": ...}}`` of the whole tensors (DTensors:
+    global shape), with how each is split over the ranks that write it (``statedict.split_rule``)."""
+    groups = replica_groups(tensors)
+    return {n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], **split_rule(t, groups.get(n, 0))}
+            for n, t in tensors.items()}

@@ -1,0 +1,215 @@
+"""Each rank's own metadata of a checkpoint, and finding the few a resume needs (``podtrain-ckpt/3``).
+
+Every rank writes, after its piece file, ``meta_00003.json`` (its *sidecar*): its file's size,
+its pieces (range, offset, block CRC-32s: ``plan.Piece.to_json``) and its RNG states. The shared
+files stay O(tensors) whatever the world size: the manifest says, per tensor, by which rule it was
+cut (``statedict.split_rule``: FSDP's dim-0 shards on the recorded mesh and the replica group that
+wrote them, or ``plan.split_even`` over the saved ranks), so a resuming rank computes from the
+manifest alone which saved ranks hold the ranges it needs (``SavedSplit.holders``: at the same
+world size and strategy, usually only its own) and reads only their sidecars.
+
+A sidecar checks itself: ``{"crc32": N, "body": {...}}`` where N is the CRC-32 of the body's bytes
+exactly as written, so a damaged sidecar is a ``CorruptCheckpoint`` (the previous checkpoint is
+then used), as strong as the manifest's record of the small files.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from podtrain.ckpt import layout
+from podtrain.ckpt.plan import Piece, shard_range, shards_overlapping, split_even
+from podtrain.ckpt.state import from_plain, to_plain
+from podtrain.ckpt.tensorio import DTYPES, ELEMENT_SIZE, CorruptCheckpoint, decode_small, encode_small
+
+_HEAD = re.compile(rb'^\{"crc32":(\d+),"body":')
+
+
+def sidecar(rank: int) -> str:
+    """The name of rank ``rank``'s sidecar in a step directory."""
+    return f"meta_{rank:05d}.json"
+
+
+def encode(file: str | None, nbytes: int, pieces: list, rng: dict[str, Any] | None) -> bytes:
+    """A sidecar's bytes: this rank's piece file (name, bytes), its pieces (``Piece.to_json``
+    without the file) and its RNG states (JSON, their tensors as one small safetensors blob)."""
+    small: dict = {}
+    body = {"file": file, "bytes": nbytes, "pieces": pieces,
+            "rng": None if rng is None else to_plain(rng, small.__setitem__, "rng")}
+    if small:
+        body["rng_tensors"] = base64.b64encode(encode_small(small)).decode()
+    text = json.dumps(body, separators=(",", ":")).encode()
+    return b'{"crc32":%d,"body":%s}' % (zlib.crc32(text), text)
+
+
+def decode(data: bytes, where: str) -> dict[str, Any]:
+    """A sidecar's body; ``CorruptCheckpoint`` when it fails its own CRC-32 or is not one."""
+    head = _HEAD.match(data)
+    text = data[head.end():-1] if head and data.endswith(b"}") else b""
+    if not head or zlib.crc32(text) != int(head.group(1)):
+        raise CorruptCheckpoint(f"{where} fails its CRC-32 check (a damaged or foreign rank sidecar)")
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpoint(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("pieces"), list):
+        raise CorruptCheckpoint(f"{where} holds no piece table")
+    return body
+
+
+def rng_of(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The RNG states a sidecar holds, decoded (tensors back as tensors)."""
+    if body.get("rng") is None:
+        return None
+    tensors = decode_small(base64.b64decode(body["rng_tensors"])) if body.get("rng_tensors") else {}
+    return from_plain(body["rng"], tensors)
+
+
+def pieces_of(body: dict[str, Any], tensors: set[str] | None = None) -> Iterable[Piece]:
+    """The pieces of a sidecar (only those of ``tensors`` when given)."""
+    file = body.get("file")
+    for item in body["pieces"]:
+        if tensors is None or item[0] in tensors:
+            yield Piece.from_json(file, item)
+
+
+def is_sidecar_format(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest keeps its pieces in the ranks' sidecars (else inline, ``podtrain-ckpt/2``)."""
+    return "ranks" in manifest
+
+
+class SavedSplit:
+    """Which saved ranks hold which elements of each tensor, from the manifest's rules alone."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        """Index the manifest's tensors (``split_even`` over the saved ranks, once)."""
+        self.world = int(manifest["world_size"])
+        self.tensors = manifest["tensors"]
+        mesh = manifest.get("mesh") or {}
+        self.mesh_shape: list[int] = list(mesh.get("shape") or [])
+        self.mesh_ranks: list[int] | None = mesh.get("ranks")
+        items = [(n, _numel(info), ELEMENT_SIZE[DTYPES[info["dtype"]]])
+                 for n, info in self.tensors.items() if info.get("rule", "even") == "even"]
+        self.even: dict[str, list[tuple[int, int, int]]] = {}
+        for rank, ranges in enumerate(split_even(items, self.world)):
+            for name, start, count in ranges:
+                self.even.setdefault(name, []).append((rank, start, count))
+
+    def holders(self, tname: str, start: int, count: int) -> set[int]:
+        """The saved ranks whose files hold any of elements ``[start, start + count)`` of ``tname``."""
+        info = self.tensors[tname]
+        rule = info.get("rule", "even")
+        if rule == "even":
+            return {r for r, s, c in self.even.get(tname, []) if s < start + count and start < s + c}
+        coords, shard_dim, first_replicate = [0] * len(rule), None, True
+        for dim, kind in enumerate(rule):
+            if kind == "R":
+                coords[dim] = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
+                first_replicate = False
+            else:
+                shard_dim = dim
+        if shard_dim is None:
+            return {self._rank(coords)}
+        out = set()
+        for index in shards_overlapping(info["shape"], self.mesh_shape[shard_dim], start, count):
+            coords[shard_dim] = index
+            out.add(self._rank(coords))
+        return out
+
+    def ranges_of(self, rank: int) -> list[tuple[str, int, int]]:
+        """The ``(tensor, start, count)`` ranges saved rank ``rank`` wrote: what a rank of a resume
+        at the saved world size and strategy reads (a bench can time ``index`` over them)."""
+        out = [(name, s, c) for name, held in self.even.items() for r, s, c in held if r == rank]
+        flat = self.mesh_ranks.index(rank) if self.mesh_ranks else rank
+        coords = []
+        for size in reversed(self.mesh_shape):
+            flat, c = divmod(flat, size)
+            coords.insert(0, c)
+        for name, info in self.tensors.items():
+            rule = info.get("rule", "even")
+            if rule == "even":
+                continue
+            writes, shard_dim, first_replicate = True, None, True
+            for dim, kind in enumerate(rule):
+                if kind == "R":
+                    want = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
+                    writes, first_replicate = writes and coords[dim] == want, False
+                else:
+                    shard_dim = dim
+            if not writes:
+                continue
+            start, count = (shard_range(info["shape"], coords[shard_dim], self.mesh_shape[shard_dim])
+                            if shard_dim is not None else (0, _numel(info)))
+            if count:
+                out.append((name, start, count))
+        return out
+
+    def _rank(self, coords: list[int]) -> int:
+        flat = 0
+        for c, size in zip(coords, self.mesh_shape):
+            flat = flat * size + c
+        return self.mesh_ranks[flat] if self.mesh_ranks else flat
+
+
+@dataclass
+class SidecarIndex:
+    """What a resuming rank took from the sidecars it read."""
+
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None
+    """Its own saved rank's RNG states (None when the world size changed)."""
+    ranks_read: list[int] = field(default_factory=list)
+    bytes_parsed: int = 0
+
+
+def index(store, name: str, manifest: dict[str, Any], wanted: Iterable[tuple[str, int, int]],
+          rank: int, world: int) -> SidecarIndex:
+    """Read the sidecars of the saved ranks holding the ``(tensor, start, count)`` ranges
+    ``wanted`` (and, at the saved world size, this rank's own, for its RNG states) and keep the
+    pieces of the wanted tensors."""
+    split = SavedSplit(manifest)
+    wanted = list(wanted)
+    ranks: set[int] = set()
+    for tname, start, count in wanted:
+        ranks |= split.holders(tname, start, count)
+    same_world = world == split.world
+    if same_world:
+        ranks.add(rank)
+    names = {t for t, _, _ in wanted}
+    out = SidecarIndex(ranks_read=sorted(ranks))
+    for saved in out.ranks_read:
+        where = f"{store.url}/{name}/{sidecar(saved)}"
+        data = store.read_bytes(f"{name}/{sidecar(saved)}")
+        out.bytes_parsed += len(data)
+        body = decode(data, where)
+        for piece in pieces_of(body, names):
+            out.pieces.setdefault(piece.tensor, []).append(piece)
+        if same_world and saved == rank:
+            out.rng = rng_of(body)
+    for pieces in out.pieces.values():
+        pieces.sort(key=lambda p: p.start)
+    return out
+
+
+def _numel(info: dict[str, Any]) -> int:
+    n = 1
+    for d in info["shape"]:
+        n *= int(d)
+    return n
+
+
+def metadata_sizes(store, name: str) -> dict[str, int]:
+    """Bytes of checkpoint ``name``'s metadata, from one listing: ``shared`` (manifest.json +
+    state.json, what every resume reads whatever its share), ``small_files`` (all of rank 0's
+    small files), ``sidecars`` (all ranks' together) and ``sidecar_max`` (the largest one)."""
+    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
+    own = [size for rel, size in sizes.items() if rel.startswith("meta_") and rel.endswith(".json") and "/" not in rel]
+    small = (layout.MANIFEST, layout.STATE_JSON, layout.STATE_FILE, layout.CONFIG_JSON)
+    return {"shared": sizes.get(layout.MANIFEST, 0) + sizes.get(layout.STATE_JSON, 0),
+            "small_files": sum(sizes.get(rel, 0) for rel in small),
+            "sidecars": sum(own), "sidecar_max": max(own, default=0)}
