@@ -61,16 +61,61 @@ def test_backend_auto():
 
 
 def test_the_file_descriptor_limit_is_raised_or_named_before_any_group_is_made():
-    """512 ranks x 3 gloo groups need ~2,000 sockets per rank: raised toward the hard limit when
+    """512 ranks on CPU (gloo main group) with a local tier: rank 0 roots 3 lazily connected side
+    groups (~2,000 sockets), the others hold a handful in each: raised toward the hard limit when
     it allows, else one line naming the limit and the host."""
     import pytest
 
     from podtrain.distributed import fd_limit
     from podtrain.errors import UserError
 
-    need = fd_limit.sockets_needed(512, fd_limit.gloo_groups(local_tier=True))
-    assert need == 3 * 511 + fd_limit.MARGIN
-    assert fd_limit.ensure(2, 3, "h", limits=(1024, 4096)) == 1024  # small jobs: untouched
-    assert fd_limit.ensure(512, 3, "h", limits=(1024, 1 << 20)) == 2 * need  # raised, within the hard limit
-    with pytest.raises(UserError, match=r"needs ~2045 file descriptors .* limit on host node-9 is 1024 \(hard 1024\)"):
-        fd_limit.ensure(512, 3, "node-9", limits=(1024, 1024))
+    side = fd_limit.side_groups(local_tier=True, main_backend="gloo")
+    assert side == 3 and fd_limit.side_groups(local_tier=False, main_backend="nccl") == 2
+    root = fd_limit.sockets_needed(512, 0, side, main_gloo=True)
+    other = fd_limit.sockets_needed(512, 7, side, main_gloo=True)
+    assert root == 4 * 511 + fd_limit.MARGIN
+    assert other == 511 + 3 * fd_limit.side_peers(512) + fd_limit.MARGIN and fd_limit.side_peers(512) == 26
+    assert fd_limit.sockets_needed(512, 7, 2, main_gloo=False) < 600  # NCCL ranks other than 0: no mesh at all
+    assert fd_limit.ensure(fd_limit.sockets_needed(2, 0, side, True), "h", limits=(1024, 4096)) == 1024  # untouched
+    assert fd_limit.ensure(root, "h", limits=(1024, 1 << 20)) == 2 * root  # raised, within the hard limit
+    with pytest.raises(UserError, match=r"needs ~2556 file descriptors .* limit on host node-9 is 1024 \(hard 1024\)"):
+        fd_limit.ensure(root, "node-9", limits=(1024, 1024))
+
+
+def _side_group_sockets(rank, world):
+    """Descriptors one eager gloo group and one side group cost this rank, each after the
+    collectives podtrain runs on side groups (all_reduce, all_gather, gather and broadcast to/from
+    rank 0, sends to ring neighbours)."""
+    import torch
+    import torch.distributed as dist
+
+    from podtrain.distributed.side_group import new_side_group, open_sockets
+
+    def cost(make):
+        before = open_sockets()
+        group = make()
+        flag = torch.ones(1)
+        dist.all_reduce(flag, group=group)
+        out = [None] * world
+        dist.all_gather_object(out, rank, group=group)
+        dist.gather_object(rank, out if rank == 0 else None, dst=0, group=group)
+        box = [rank]
+        dist.broadcast_object_list(box, src=0, group=group)
+        reqs = [dist.isend(flag, (rank + 1) % world, group=group), dist.irecv(torch.ones(1), (rank - 1) % world, group=group)]
+        for req in reqs:
+            req.wait()
+        return open_sockets() - before
+
+    return cost(lambda: dist.new_group(backend="gloo")), cost(new_side_group)
+
+
+def test_side_groups_connect_lazily_so_ranks_other_than_0_hold_a_few_sockets_not_one_per_peer():
+    """Real gloo groups over 12 forked ranks: an eager group costs every rank one socket per peer;
+    a side group costs rank 0 one per peer and every other rank at most ``side_peers``."""
+    from multirank import run_ranks
+    from podtrain.distributed import fd_limit
+
+    world = 12
+    costs = run_ranks(_side_group_sockets, world)
+    assert all(eager >= world - 1 for eager, _ in costs), costs
+    assert all(side <= fd_limit.side_peers(world) and side < world - 1 for _, side in costs[1:]), costs

@@ -360,7 +360,8 @@ class Checkpointer(RestoreMixin):
 
     def wait(self, timeout: float | None = None, final: bool = False,
              abandon_wait_s: float = ABANDON_WAIT_S) -> float:
-        """Block until the in-flight save is committed; seconds waited. Raises on every rank when
+        """Block until the in-flight save is committed (a local one: and its peer replicas, when it
+        was replicated); seconds waited. Raises on every rank when
         it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
         a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds the
         save is abandoned (``abandon``) and no longer waited for."""
@@ -376,6 +377,9 @@ class Checkpointer(RestoreMixin):
                 self._pending, self._last_step = None, None  # the writer thread is left to finish alone
                 return time.perf_counter() - t0
         self._finish(job, final=final)
+        replicator = self._local_writer.replicator if job.local and self._local_writer is not None else None
+        if replicator is not None:  # a caller that waits for a local save waits for its replicas too
+            replicator.wait_idle()
         return time.perf_counter() - t0
 
     def close(self) -> None:

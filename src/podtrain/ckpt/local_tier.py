@@ -108,16 +108,19 @@ def newest_common(held_by_rank: list[list[int]]) -> int | None:
     return max(common) if common else None
 
 
-def prune(store, rank: int, current: int, keep: int, others=(), drop=None) -> None:
+def prune(store, rank: int, current: int, keep: int, others=(), drop=None, protect_from: int | None = None) -> None:
     """After local step ``current``: this rank keeps the newest ``keep`` steps of this node's
     directory at or below it and drops its files of the rest (steps above it belong to a timeline
     this run left: the local tier is a cache, nothing to move aside), with the files it looks after
     for ``others`` (peer replicas, a moved host's files: ``drop``, ``podtrain.ckpt.replicas.drop``).
+    Steps above ``protect_from`` stay whatever ``keep`` says (peer replicas may be copying them).
     A failure is a warning: the save itself succeeded."""
     try:
         steps = [s for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None]
         delete, abandon = layout.retention_plan(steps, current, keep, 0)
         for step in delete + abandon:
+            if protect_from is not None and protect_from < step <= current:
+                continue
             clear(store, layout.step_name(step), rank)
             if drop is not None:
                 drop(store, layout.step_name(step), others)

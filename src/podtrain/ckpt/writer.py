@@ -26,13 +26,13 @@ The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same
 directory that no single rank sees whole: every rank clears and later prunes only its own files,
 and commits its part with its own marker (``local_tier.marker``) after its piece file and sidecar;
 rank 0's manifest is the durable tier's. No ``latest``: a step is complete when every
-rank's marker and rank 0's manifest exist. Then (``ckpt.local_replicas``) every rank copies its
-files to its peers on other nodes over the same group (``podtrain.ckpt.replicas``).
+rank's marker and rank 0's manifest exist. Then (``ckpt.local_replicas``) the step is handed to
+the ``Replicator`` (``podtrain.ckpt.replicator``), which copies every rank's files to its peers on
+other nodes on a thread and group of its own, while the next saves go on.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import pickle
@@ -49,11 +49,13 @@ import torch.distributed as dist
 from podtrain import __version__
 from podtrain.ckpt import layout, local_tier, replicas, sidecar
 from podtrain.ckpt.plan import Piece
+from podtrain.ckpt.replicator import Replicator
 from podtrain.ckpt.staging import SaveStream
 from podtrain.ckpt.statedict import replica_groups, split_rule
 from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
+from podtrain.distributed.side_group import new_side_group
 from podtrain.errors import UserError
 from podtrain.storage.errors import Transient
 
@@ -104,9 +106,6 @@ class SaveJob:
     error: BaseException | None = None
     write_s: float = 0.0
     nbytes: int = 0
-    replica_bytes: int = 0
-    """Bytes of peer replicas this rank received after a local save."""
-    replica_s: float = 0.0
     received_bytes: int = 0
     """Pickled bytes this rank received in the save's object collectives."""
 
@@ -130,12 +129,16 @@ class CheckpointWriter:
         self.ctx = ctx
         self.group = None
         if ctx.initialized and ctx.world_size > 1 and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo",
-                                        timeout=datetime.timedelta(seconds=CKPT_GROUP_TIMEOUT_S))
+            self.group = new_side_group(CKPT_GROUP_TIMEOUT_S)
         self.ring = replicas.Ring((), ())
         """Where this rank's local pieces are replicated (``podtrain.ckpt.replicas``)."""
+        self.replicator: Replicator | None = None
         if local and self.group is not None:
             self.ring = self._ring()
+            if self.ring.targets:  # the same on every rank (_ring): the group is made collectively
+                self.replicator = Replicator(store, self.ring, ctx.rank, ctx.env.hostname, ctx.is_main,
+                                             CKPT_GROUP_TIMEOUT_S, lambda step_name: replicas.drop(
+                                                 store, step_name, self.ring.sources, own_files_too=False))
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.last_save: dict[str, float] = {}
@@ -173,6 +176,8 @@ class CheckpointWriter:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.replicator is not None:
+            self.replicator.close()
         if self.group is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group(self.group)
@@ -230,39 +235,16 @@ class CheckpointWriter:
             if error is not None:
                 self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
             else:
-                self._replicate(job, name)
+                if self.replicator is not None:
+                    self.replicator.committed(job.step)
                 env = self.ctx.env
                 local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, replicas.slot_owners(
-                    env.local_rank, env.local_world_size, self.ctx.world_size), replicas.drop)
+                    env.local_rank, env.local_world_size, self.ctx.world_size), replicas.drop,
+                    protect_from=self.replicator.protect_from if self.replicator is not None else None)
         if error is not None:
             kind, message = error
             cls = {"transient": SaveAbandoned, "user": SaveFailed}.get(kind, RuntimeError)
             raise cls(f"{self.tier} checkpoint of step {job.step} failed: {message}")
-
-    def _replicate(self, job: SaveJob, name: str) -> None:
-        """After a committed local save: copy every rank's files to its ring targets. A failed
-        copy is a warning (the save itself succeeded): every rank drops this step's replicas."""
-        if not self.ring.targets:
-            return
-        t0 = time.perf_counter()
-        got = 0
-        try:
-            got = replicas.replicate(self.store, name, self.ctx.rank, self.ring, self.group)
-            problem = None
-        except Exception as exc:
-            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
-        problems = [p for p in self._all_gather(problem) if p]
-        if problems:
-            replicas.drop(self.store, name, self.ring.sources, own_files_too=False)
-            if self.ctx.is_main:
-                log.warning("peer replicas of local step %d failed (%s): the step is held by its own "
-                            "nodes only", job.step, problems[0])
-            return
-        job.replica_bytes = got
-        job.replica_s = time.perf_counter() - t0
-        if self.ctx.is_main:
-            log.info("local step %d replicated to %d peer node(s): %.1f MB received by rank 0 in %.2f s",
-                     job.step, len(self.ring.targets), got / 1e6, job.replica_s)
 
     def _outcome(self, fn, *args) -> tuple[str, str] | None:
         """None when ``fn(*args)`` succeeds, else ``(kind, one line naming the rank)``: kind is

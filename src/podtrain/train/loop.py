@@ -202,8 +202,9 @@ class Trainer:
         ``manifests``: the S3 sources' as rank 0 read them (``shared_manifests``)."""
         cfg, ctx = self.cfg, self.ctx
         writable_dir(self.run_dir)  # a read-only or full disk fails now, not at the first save
-        fd_limit.ensure(ctx.world_size, fd_limit.gloo_groups(bool(cfg.ckpt.local_dir)),
-                        ctx.env.hostname)
+        fd_limit.ensure(fd_limit.sockets_needed(
+            ctx.world_size, ctx.rank, fd_limit.side_groups(bool(cfg.ckpt.local_dir), ctx.backend),
+            main_gloo=ctx.backend == "gloo"), ctx.env.hostname)
         checked = check_run(cfg, ctx.world_size, ctx.env.local_world_size, ctx.device, manifests=manifests)
         self.accum = checked.accum
         self.accumulate_unsharded = checked.accumulate_unsharded

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from podtrain.config import signal_from_name
 from podtrain.distributed.group import DistContext
+from podtrain.distributed.side_group import new_side_group
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class StopSignal:
         """The default group under gloo; under another backend, a gloo group made on first use."""
         if not self._group_ready:
             if ctx.backend != "gloo":
-                self._group = dist.new_group(backend="gloo")  # all ranks reach here at step one
+                self._group = new_side_group()  # all ranks reach here at step one
             self._group_ready = True
         return self._group
 

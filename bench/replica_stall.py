@@ -1,0 +1,116 @@
+"""What peer replicas (``ckpt.local_replicas``) cost the step loop: local saves at every step on
+2 simulated nodes (forked ranks over gloo, one rank per node, each with its own local directory),
+without replicas (K=0, the local tier alone) and with them (K=1, the default), side by side.
+
+    .venv/bin/python bench/replica_stall.py [--preset tiny] [--steps 12] [--rounds 2] [--step-s 0.3]
+
+Each configuration runs the same loop: a simulated training step (matmuls for ``--step-s``
+seconds), then ``Checkpointer.save(local=True)`` (podtrain's defaults otherwise; ``local_every``
+is 1, the most demanding cadence). Printed per configuration: the median and p90 time the step
+loop spent in ``save`` (its stall: host copy plus any wait for the previous save), the loop's
+total time, and how many local steps were replicated. The verdict line compares K=1 with K=0:
+target median stall ratio <= 1.25 (the noise of this shared machine) — replicas must cost the
+step loop no more than the local save they follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from multirank import gloo_context, run_ranks  # noqa: E402
+from podtrain.ckpt.checkpointer import Checkpointer  # noqa: E402
+from podtrain.config_sections import CkptSection  # noqa: E402
+from podtrain.model import build_model, preset_config  # noqa: E402
+
+
+def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float):
+    """One rank = one node: train-like steps, a local save after each; its stalls and totals."""
+    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    ctx = gloo_context()
+    model = build_model(preset_config(preset), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():  # AdamW state without paying for a forward/backward
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    x, w = torch.randn(256, 512), torch.randn(512, 512) / 512 ** 0.5
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch.tanh(x @ w)
+    per_op = (time.perf_counter() - t0) / 10
+    cfg = CkptSection(local_dir=f"{base}/node{rank}", local_every=1, local_replicas=k)
+    ck = Checkpointer(Path(base) / "run", cfg, ctx)
+    waits: list[float] = []
+    settle = ck._settle
+
+    def timed_settle(must):  # how much of the stall is waiting for the previous save
+        t0 = time.perf_counter()
+        try:
+            return settle(must)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    ck._settle = timed_settle
+    stalls, state = [], {"step": 0, "tokens_seen": 0, "run_id": "bench", "config": {}}
+    loop0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        for _ in range(max(1, int(step_s / per_op))):
+            x = torch.tanh(x @ w)
+        t0 = time.perf_counter()
+        ck.save(step, model, opt, None, {**state, "step": step}, local=True)
+        stalls.append(time.perf_counter() - t0)
+    loop_s = time.perf_counter() - loop0
+    ck.close()
+    replicator = ck._local_writer.replicator  # None without replicas
+    replicated = replicator.replicated if replicator is not None else 0
+    return stalls[1:], loop_s, replicated, waits[1:]  # the first save allocates the host buffers
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step-s", type=float, default=0.3, help="simulated training step length")
+    ap.add_argument("--dir", default=None, help="where the local directories go (default: temp)")
+    args = ap.parse_args()
+    results: dict[int, list] = {0: [], 1: []}
+    for r in range(args.rounds):
+        for k in (0, 1):  # interleaved: the machine's load drifts
+            base = tempfile.mkdtemp(prefix="podtrain-replica-bench-", dir=args.dir)
+            try:
+                out = run_ranks(_loop, 2, base, k, args.preset, args.steps, args.step_s, timeout=1800)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            stalls = [s for rank_stalls, *_ in out for s in rank_stalls]
+            waits = [w for *_, rank_waits in out for w in rank_waits]
+            results[k].append((stalls, max(o[1] for o in out), min(o[2] for o in out)))
+            print(f"round {r + 1} K={k}: median stall {statistics.median(stalls) * 1e3:.0f} ms, "
+                  f"of which waiting for the previous save {statistics.median(waits) * 1e3:.0f} ms, "
+                  f"loop {results[k][-1][1]:.1f} s, {results[k][-1][2]} of {args.steps} local steps replicated")
+    summary = {}
+    for k, runs in results.items():
+        stalls = sorted(s for run in runs for s in run[0])
+        summary[k] = (statistics.median(stalls), stalls[int(0.9 * (len(stalls) - 1))],
+                      statistics.mean(run[1] for run in runs))
+        print(f"K={k}: stall median {summary[k][0] * 1e3:6.0f} ms  p90 {summary[k][1] * 1e3:6.0f} ms  "
+              f"loop {summary[k][2]:6.1f} s  ({args.preset}, {args.steps} local saves, 2 nodes)")
+    ratio = summary[1][0] / summary[0][0]
+    print(f"peer replicas / local save alone, median stall: {ratio:.2f} (target <= 1.25) "
+          f"{'PASS' if ratio <= 1.25 else 'FAIL'}; loop time ratio {summary[1][2] / summary[0][2]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
