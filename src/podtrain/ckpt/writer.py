@@ -19,8 +19,8 @@ rank in ``__init__``), so they never interleave with the main thread's collectiv
 
 ``SaveJob.received_bytes`` counts the pickled bytes this rank received in the save's object
 collectives (``CheckpointWriter.last_save["received_bytes"]`` after a save, for benches): O(1) on
-every rank but rank 0, which receives O(world) records of a few bytes. (The peer replicas' outcome
-exchange after a local save, ``_replicate``, still all_gathers one small object per rank.)
+every rank but rank 0, which receives O(world) records of a few bytes. (The peer replicas agree
+with one-element all_reduces on a group of their own: nothing per rank is gathered there either.)
 
 The node-local tier (``local=True``, ``podtrain.ckpt.local_tier``) runs the same protocol into a
 directory that no single rank sees whole: every rank clears and later prunes only its own files,
