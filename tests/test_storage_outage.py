@@ -104,14 +104,15 @@ def _assert_same_as(reference: dict, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference, s3_proxy, s3_bucket,
+def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it_and_local_saves_go_on(reference, s3_proxy, s3_bucket,
                                                                       tmp_path, repo):
     url, run_dir = f"s3://{s3_bucket}/ckpt", tmp_path / "run"
     s3_proxy.fail_fraction(0.05, seed=3)  # throttling around the outage too
     director = OutageDirector(s3_proxy, run_dir, OUTAGE_FROM, until_step=OUTAGE_UNTIL, min_s=OUTAGE_S)
     director.start()
     try:
-        codes = _train(repo, _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}"])
+        codes = _train(repo, _common(reference["data"]) + [f"run.dir={run_dir}", f"ckpt.dir={url}",
+                                                            f"ckpt.local_dir={tmp_path}/local", "ckpt.local_every=2"])
     finally:
         director.finish()
     assert codes == [0, 0]
@@ -122,6 +123,8 @@ def test_training_goes_on_through_an_s3_outage_and_ends_as_without_it(reference,
     saves = _records(run_dir, "save")
     assert any(s["skipped"] for s in saves)  # saves due during the outage were skipped, not waited for
     assert max(s["save_s"] for s in saves) < 5.0  # no save stalled the loop for the outage
+    local = [s for s in saves if s.get("tier") == "local" and director.began <= s["time"] <= director.ended]
+    assert len(local) >= 3 and not any(s["skipped"] for s in local), local  # the local tier never waits for S3
     from podtrain.ckpt import layout
 
     committed = [s for s, _ in layout.list_checkpoints(url)]

@@ -122,7 +122,12 @@ class Checkpointer(RestoreMixin):
         cfg, ctx = self.cfg, self.ctx
         self.store = open_store(self.identity.ckpt_url)
         budget = staging_budget_bytes(cfg.host_staging_mb, ctx.env.local_world_size, ctx.env.hostname)
-        self._pool = StagingPool(budget, pin=ctx.is_cuda)
+        # The tiers never wait on each other: each has its own in-flight save and its own half of
+        # the staging budget, so a durable save stuck in a storage outage holds no slab a local
+        # save needs (slabs are allocated on use: an unused half costs nothing).
+        share = budget // 2 if cfg.local_dir else budget
+        self._pool = StagingPool(share, pin=ctx.is_cuda)
+        self._local_pool = StagingPool(share, pin=ctx.is_cuda) if cfg.local_dir else None
         self._fence = CopyFence(ctx.device)
         owned = self._lease.still_held if self._lease is not None else (lambda: None)
         self._writer = CheckpointWriter(self.store, cfg, ctx, still_owned=owned, lineage=self.identity.lineage)
@@ -131,6 +136,9 @@ class Checkpointer(RestoreMixin):
         """The node-local tier's store (this lineage's folder of ``ckpt.local_dir``), or None."""
         self._local_writer = CheckpointWriter(self.local, cfg, ctx, local=True) if self.local else None
         self._pending: SaveJob | None = None
+        """The durable save in flight."""
+        self._pending_local: SaveJob | None = None
+        """The local save in flight (the tiers never wait on each other)."""
         self._discarded = False
         self._last_step: int | None = None
         self._newest: int | None = None
@@ -198,28 +206,29 @@ class Checkpointer(RestoreMixin):
         """Copy this rank's share to host memory now, write it in the background (every rank, same
         step) to the durable tier, or to the node-local one (``local``); False when skipped.
 
-        At most one save is in flight (its host buffers are reused): when the previous one is
-        still being written ``ckpt.save_wait_s`` after this one is due (slow or unreachable
-        storage), this one is skipped on every rank alike and training goes on, unless ``must``
-        (the last step), which waits for it. Saving the step that was just saved durably (a stop
+        At most one save per tier is in flight (its host buffers are reused): when the tier's
+        previous one is still being written ``ckpt.save_wait_s`` after this one is due (slow or
+        unreachable storage), this one is skipped on every rank alike and training goes on,
+        unless ``must`` (the last step), which waits for it. A tier never waits for the other. Saving the step that was just saved durably (a stop
         signal right after a scheduled save) does nothing."""
         if step == self._last_step:
             log.info("step %d is already checkpointed", step)
             return True
         t0 = time.perf_counter()
-        if not self._settle(must):
+        if not self._settle(must, local):
             if self.ctx.is_main:
                 log.warning("checkpoint step %d skipped: the save of step %d is still being written after "
                             "%.0f s (ckpt.save_wait_s; the storage is slow or unreachable); training goes on",
-                            step, self._pending.step, time.perf_counter() - t0)
+                            step, self._in_flight(local).step, time.perf_counter() - t0)
             return False
         waited = time.perf_counter() - t0
         t0 = time.perf_counter()
-        job = self._snapshot(step, model, optimizer, scaler, train_state)
-        job.local = local
-        if not local:
+        job = self._snapshot(step, model, optimizer, scaler, train_state, local)
+        if local:
+            self._pending_local = job
+        else:
             self._last_step = step
-        self._pending = job
+            self._pending = job
         (self._local_writer if local else self._writer).submit(job)  # first: the writer drains slabs while the copies fill them
         if job.stream is not None:
             job.stream.produce(self.ctx.device, self._fence)
@@ -232,24 +241,30 @@ class Checkpointer(RestoreMixin):
             self.wait()
         return True
 
-    def _settle(self, must: bool) -> bool:
-        """Every rank, when a save is due: is the previous one finished on every rank (waiting up
-        to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
+    def _in_flight(self, local: bool) -> SaveJob | None:
+        """The save in flight of one tier."""
+        return self._pending_local if local else self._pending
+
+    def _settle(self, must: bool, local: bool = False) -> bool:
+        """Every rank, when a save is due: is the tier's previous one finished on every rank
+        (waiting up to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
         or, for a transient storage fault, logged; a storage outage longer than
         ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One small
         all_gather per round, at save steps only, so every rank decides the same (only rank 0,
         which commits, may see the storage fail while the others wait for it)."""
-        job = self._pending
+        job = self._in_flight(local)
         if job is None:
             return True
 
-        def failing() -> float | None:  # since when saves fail: a failed save, or the store now
+        def failing() -> float | None:  # since when durable saves fail: a failed save, or the store now
+            if local:  # an outage is the durable storage's (the local tier is this node's disk)
+                return None
             return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
 
         while True:  # every rank runs the same iterations: each ends in the same all_gather
             # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
             # last step's save (must) waits in 1 s rounds until done or past the outage bound.
-            job.done.wait(1.0 if must else 0.0 if self._failing_agreed else self.cfg.save_wait_s)
+            job.done.wait(1.0 if must else 0.0 if self._failing_agreed and not local else self.cfg.save_wait_s)
             here = job.done.is_set()
             # An outage is time since saves began failing (only rank 0 may know: it commits),
             # never a healthy save that is merely slow.
@@ -257,7 +272,8 @@ class Checkpointer(RestoreMixin):
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
             votes = self.ctx.all_gather_object((here, outage_here))
             done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
-            self._failing_agreed = outage > 0
+            if not local:
+                self._failing_agreed = outage > 0
             if done or not must or outage > self.cfg.max_outage_s:
                 break
         if done:
@@ -276,7 +292,10 @@ class Checkpointer(RestoreMixin):
         """Account for a finished save: success ends an outage; a transient storage fault is
         logged once (the save is abandoned, nothing of it committed) unless ``final``; anything
         else raises on every rank (``SaveFailed`` for a storage problem)."""
-        self._pending = None
+        if job.local:
+            self._pending_local = None
+        else:
+            self._pending = None
         if job.error is None:
             if not job.local:  # only a durable save ends an outage of the durable storage
                 self._outage_since = None
@@ -312,9 +331,9 @@ class Checkpointer(RestoreMixin):
                 policy.abandon()
 
     def _snapshot(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  scaler: torch.amp.GradScaler | None, train_state: dict) -> SaveJob:
+                  scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False) -> SaveJob:
         """The job of this save: this rank's pieces in a stream; rank 0 also the small state."""
-        job = SaveJob(step=step, rng=capture_rng(self.ctx.device), lineage=self.identity.record())
+        job = SaveJob(step=step, rng=capture_rng(self.ctx.device), lineage=self.identity.record(), local=local)
         net = unwrap(model)
         named = named_state(net, optimizer)
         pieces = local_pieces(named.tensors, self.ctx.rank, self.ctx.world_size)
@@ -322,7 +341,7 @@ class Checkpointer(RestoreMixin):
         job.strategy = "sharded" if any(is_dtensor(t) for t in named.tensors.values()) else "replicated"
         if pieces:
             items = [(f"{n}[{start}:{start + t.numel()}]", t) for n, start, t in pieces]
-            job.stream = SaveStream(self._pool, {layout.rank_file(self.ctx.rank): items})
+            job.stream = SaveStream(self._local_pool if local else self._pool, {layout.rank_file(self.ctx.rank): items})
         if self.ctx.is_main:
             sink = job.small.__setitem__
             job.tensors = tensor_table(named.tensors)
@@ -341,11 +360,11 @@ class Checkpointer(RestoreMixin):
 
     @property
     def failed(self) -> bool:
-        """True once the save in flight has failed (on every rank alike, at slightly different
+        """True once a save in flight has failed (on every rank alike, at slightly different
         times: the loop agrees on it at a step boundary, then calls ``wait``, which raises)."""
-        job = self._pending
-        return (job is not None and job.done.is_set() and job.error is not None
-                and not isinstance(job.error, SaveAbandoned))  # a storage fault: the next save retries
+        return any(job is not None and job.done.is_set() and job.error is not None
+                   and not isinstance(job.error, SaveAbandoned)  # a storage fault: the next save retries
+                   for job in (self._pending, self._pending_local))
 
     def device_stall_s(self) -> float:
         """Seconds the optimizer step after the last save waited (on the device) for its copies,
@@ -360,21 +379,25 @@ class Checkpointer(RestoreMixin):
 
     def wait(self, timeout: float | None = None, final: bool = False,
              abandon_wait_s: float = ABANDON_WAIT_S) -> float:
-        """Block until the in-flight save is committed (a local one: and its peer replicas, when it
-        was replicated); seconds waited. Raises on every rank when
-        it failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
-        a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds the
+        """Block until the saves in flight (durable, then local) are committed (a local one: and
+        its peer replicas, when it was replicated); seconds waited. Raises on every rank when one
+        failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
+        a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds a
         save is abandoned (``abandon``) and no longer waited for."""
-        job = self._pending
-        if job is None:
-            return 0.0
+        return sum(self._wait_for(job, timeout, final, abandon_wait_s)
+                   for job in (self._pending, self._pending_local) if job is not None)
+
+    def _wait_for(self, job: SaveJob, timeout: float | None, final: bool, abandon_wait_s: float) -> float:
         t0 = time.perf_counter()
         if not job.done.wait(timeout):
             log.warning("the save of step %d is still being written after %.0f s: abandoned (the storage "
                         "is slow or unreachable)", job.step, time.perf_counter() - t0)
             self.abandon()
-            if not job.done.wait(abandon_wait_s):
-                self._pending, self._last_step = None, None  # the writer thread is left to finish alone
+            if not job.done.wait(abandon_wait_s):  # the writer thread is left to finish alone
+                if job.local:
+                    self._pending_local = None
+                else:
+                    self._pending, self._last_step = None, None
                 return time.perf_counter() - t0
         self._finish(job, final=final)
         replicator = self._local_writer.replicator if job.local and self._local_writer is not None else None
@@ -401,4 +424,6 @@ class Checkpointer(RestoreMixin):
             if self._local_writer is not None:
                 self._local_writer.close()
             self._pool.close()
+            if self._local_pool is not None:
+                self._local_pool.close()
 
