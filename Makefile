@@ -1,6 +1,7 @@
 # podtrain: two commands from a fresh clone.
-#   make demo   install, prepare the built-in corpus, 2-process DDP pre-training on this machine
-#   make test   install, then the whole test suite
+#   make demo   install podtrain alone, prepare the built-in corpus, 2-process DDP pre-training on
+#               this machine, a sample
+#   make test   install with the test extra, then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned (an open range lets pip pick the newest, multi-GB CUDA build). Where a local
@@ -9,22 +10,37 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
-# The stamp names the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
-STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
+# The stamps name the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
+TORCH_HASH := $(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_HASH)
+STAMP := $(VENV)/.installed-$(TORCH_HASH)
+DEMO_STAMP := $(VENV)/.demo-$(TORCH_HASH)
 
-.PHONY: install demo test bench clean
+.PHONY: install install-demo demo test bench clean
 
+# What `make test` needs: podtrain with the test extra (moto, s3torchconnector, lm-eval, ...).
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What `make demo` needs: podtrain and its own dependencies, no extra (the demo uses no eval
+# task, tracker, plot or S3; its trackers=auto finds no TensorBoard and writes metrics.jsonl only).
+install-demo: $(DEMO_STAMP)
+
+$(TORCH_STAMP):
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	@rm -f $(VENV)/.torch-* $(VENV)/.installed-* $(VENV)/.demo-*
+	@touch $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install -q -e '.[test]'
-	@rm -f $(VENV)/.installed-*
+	@touch $@ $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PY) -m pip install -q -e .
 	@touch $@
 
 # The demo starts from scratch each time (a kept runs/demo would auto-resume at its last step).
-demo: install
+demo: install-demo
 	$(VENV)/bin/podtrain prepare builtin --out data/builtin
 	rm -rf runs/demo
 	$(VENV)/bin/podtrain launch local configs/demo.yaml --nproc $(NPROC)

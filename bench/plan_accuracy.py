@@ -1,6 +1,7 @@
 """`podtrain plan --instance-type local` against real runs of several configs, side by side.
 
     .venv/bin/python bench/plan_accuracy.py [--rounds 5] [--steps 20] [--configs demo,short,wide,one-rank]
+                                            [--max-minutes M]
 
 Each round plans and then runs every config (plan, run, plan, run, ...) so the shared machine's
 drift hits both alike. The plan measures this host at the run's shapes (``plan/calibrate.py``); it
@@ -17,7 +18,8 @@ interval (start-up). The configs, all on the built-in corpus:
 
 Printed: predicted / measured per config and round, then per config how many rounds are within
 +-25% (the target: all, on a quiet machine) and the machine's load average, since other processes
-slow the run and the calibration differently.
+slow the run and the calibration differently. --max-minutes starts no round after that much time
+(a loaded machine can take many times longer): the summary then counts the rounds done.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +94,9 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--configs", default="demo,short,wide,one-rank", help="comma-separated names")
+    parser.add_argument("--max-minutes", type=float, default=None, help="start no round after this")
     args = parser.parse_args()
+    start = time.monotonic()
     os.chdir(REPO)
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/data"
@@ -103,6 +108,9 @@ def main():
             sys.exit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(table)})")
         ratios = {name: [] for name in names}
         for k in range(args.rounds):
+            if k and args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
+                print(f"--max-minutes {args.max_minutes:g} reached: {k} of {args.rounds} rounds run")
+                break
             for name in names:
                 ranks, overrides = table[name]
                 overrides = [*overrides, f"data.path={data}"]
