@@ -1,6 +1,8 @@
 # podtrain: two commands from a fresh clone.
-#   make demo   install, prepare the built-in corpus, 2-process DDP pre-training on this machine
-#   make test   install, then the whole test suite, in parallel (pytest-xdist), slowest tests listed
+#   make demo   install podtrain alone, prepare the built-in corpus, 2-process DDP pre-training on
+#               this machine, a sample
+#   make test   install with the test extra, then the whole test suite, in parallel (pytest-xdist),
+#               slowest tests listed
 #   make check  the fast tier for the inner loop (~1 min): every test but those marked e2e (torchrun
 #               subprocesses), cluster (real Slurm, network namespaces) or slow (1.5 s of CPU
 #               and more: trainings, lm-eval, pip); `pytest -m "not e2e and not cluster and not slow"` by hand
@@ -12,8 +14,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 NPROC ?= 2
-# The stamp names the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
-STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
+# The stamps name the torch choice, so changing TORCH_SPEC or TORCH_INDEX reinstalls.
+TORCH_HASH := $(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum | cut -c1-8)
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_HASH)
+STAMP := $(VENV)/.installed-$(TORCH_HASH)
+DEMO_STAMP := $(VENV)/.demo-$(TORCH_HASH)
 
 # Test workers: one per usable core (a container's or taskset's share), at most 8 (each worker's
 # trainings start 2-4 ranks of their own). --dist loadgroup keeps the tests that share a trained run,
@@ -21,23 +26,35 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC) $(TORCH_INDEX)' | md5sum
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0))))' 2>/dev/null || echo 2)
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: install demo test check bench clean
+.PHONY: install install-demo demo test check bench clean
 
+# What `make test` needs: podtrain with the test extra (moto, s3torchconnector, lm-eval, ...).
 install: $(STAMP)
+
+# What `make demo` needs: podtrain and its own dependencies, no extra (the demo uses no eval
+# task, tracker, plot or S3; its trackers=auto finds no TensorBoard and writes metrics.jsonl only).
+install-demo: $(DEMO_STAMP)
+
+$(TORCH_STAMP):
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	@rm -f $(VENV)/.torch-* $(VENV)/.installed-* $(VENV)/.demo-*
+	@touch $@
 
 # torch with pip (pip's configuration may point at a local CPU wheel), the rest with uv (parallel
 # downloads and installs: seconds from a warm cache, where pip takes ~100 s), which keeps the torch
 # just installed (the pin on its command line); pip does it where uv cannot (no PyPI, no uv wheel).
-$(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]' '$(TORCH_SPEC)' \
 	  || $(PY) -m pip install -q -e '.[test]'
-	@rm -f $(VENV)/.installed-*
+	@touch $@ $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml $(TORCH_STAMP)
+	$(PY) -m pip install -q -e .
 	@touch $@
 
 # The demo starts from scratch each time (a kept runs/demo would auto-resume at its last step).
-demo: install
+demo: install-demo
 	$(VENV)/bin/podtrain prepare builtin --out data/builtin
 	rm -rf runs/demo
 	$(VENV)/bin/podtrain launch local configs/demo.yaml --nproc $(NPROC)

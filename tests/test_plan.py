@@ -307,7 +307,8 @@ def test_plan_prints_the_vocabulary_and_batch_it_used_and_refuses_a_batch_the_la
     from synthetic_data import make_data_dir
 
     demo = str(repo / "configs/demo.yaml")
-    code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.12xlarge", "data.path=/nonexistent")
+    code, out = _cli(capsys, "plan", demo, "--instance-type", "g5.12xlarge", "data.path=/nonexistent",
+                     "train.global_batch_size=32")
     assert code == 0, out.err
     assert "with the preset's own vocabulary (320)" in out.out
     assert "vocabulary: /nonexistent has no prepared data here; model.vocab_size=N plans another" in out.out
@@ -320,7 +321,8 @@ def test_plan_prints_the_vocabulary_and_batch_it_used_and_refuses_a_batch_the_la
     # 32 sequences over 8 GPUs x micro-batch 8: `launch slurm` refuses it, so does plan (same check).
     for argv in (["plan", demo, "--instance-type", "p5.48xlarge"],
                  ["launch", "slurm", demo, "--instance-type", "p5.48xlarge", "--nodes", "1"]):
-        code, out = _cli(capsys, *argv, "data.path=/nonexistent", f"run.dir={tmp_path / 'run'}")
+        code, out = _cli(capsys, *argv, "data.path=/nonexistent", f"run.dir={tmp_path / 'run'}",
+                         "train.global_batch_size=32")
         assert code == 2 and out.err.count("\n") == 1, out.err
         assert ("train.global_batch_size=32 is not divisible by train.micro_batch_size x world size = "
                 "8 x 8 = 64") in out.err

@@ -150,7 +150,8 @@ def local_machine(ranks: int, efficiency: float | None, price: float | None,
         peak = cal.matmul_flops_per_s
         measured = shape.flops_per_token * micro_batch * seq_len / peak / cal.micro_batch_s
         efficiency = efficiency or measured
-        source = (f"measured at the run's shapes: matmuls {cal.matmul_s * 1e3:.1f} ms + attention "
+        source = (f"measured at the run's shapes: matmuls {cal.matmul_s * 1e3:.1f} ms (LM head "
+                  f"{cal.head_s * 1e3:.1f} ms) + attention "
                   f"{cal.attention_s * 1e3:.1f} ms + elementwise {cal.elementwise_s * 1e3:.1f} ms per micro-batch")
     memory = device_memory_bytes(torch.device("cpu"), ranks) or 0
     return Machine(name="local", devices_per_node=ranks, device_memory_bytes=memory, peak_flops=peak,
