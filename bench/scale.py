@@ -1,7 +1,8 @@
 """Per-rank costs against the world size and the corpus size, measured on real ranks, fitted and
 extrapolated to 512 ranks x llama-3-70B x 1T tokens (issue 27):
 
-    .venv/bin/python bench/scale.py [--worlds 2,4,8,16,32 | --quick] [--corpus 1e5,1e7,1e9] [--no-s3]
+    .venv/bin/python bench/scale.py [--worlds 2,4,8,16,32 | --quick] [--corpus 1e5,1e7,1e9]
+                                    [--parts ckpt,s3,loader] [--no-s3]
 
 Checkpoints (``bench/scale_ckpt.py``): at each world size, forked gloo ranks shard a model with
 llama-3-70B's 723 tensors (80 layers, widths / 128) under podtrain's FSDP, then one
@@ -291,41 +292,58 @@ def report_loader(sizes: list[int], root: Path) -> list[str]:
                     f"{sizes[0]:.0e} ({dm:+.1f} MB, {dt:+.3f} s)")]
 
 
+def run_s3(worlds: list[int]) -> list[str]:
+    """The S3 part: one server, a run of ``podtrain train`` per world size."""
+    import scale_s3
+
+    work = scale_s3.workdir()
+    bench = scale_s3.S3Bench(work)
+    try:
+        runs = {}
+        for w in worlds:
+            runs[w] = bench.run_world(w)
+            print(f"  [S3 at {w} ranks done]", file=sys.stderr, flush=True)
+    finally:
+        bench.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return report_s3(runs)
+
+
+def run_ckpt(worlds: list[int], root: Path) -> list[str]:
+    """The checkpoint part: the llama at each world, its 4x variant and the block probe."""
+    rows = []
+    for w in worlds:
+        rows.append(ckpt_world(w, root))
+        print(f"  [checkpoint at {w} ranks: {rows[-1]['wall_s']:.0f} s]", file=sys.stderr, flush=True)
+    big = ckpt_world(worlds[0], root, scale=2)
+    probe = block_probe(worlds[:2], root)
+    params = tuple(scale_ckpt.llama_params(scale_ckpt.llama_config(s)) for s in (1, 2))
+    return report_ckpt(rows, big, params, probe)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="2,4,8,16,32", help="world sizes (gloo ranks, forked)")
     ap.add_argument("--quick", action="store_true", help="worlds 2,4,8")
     ap.add_argument("--corpus", default="1e5,1e7,1e9", help="corpus sizes in samples (sparse shards)")
-    ap.add_argument("--no-s3", action="store_true", help="skip the S3 requests (moto)")
+    ap.add_argument("--parts", default="ckpt,s3,loader", help="which parts to run (ckpt, s3, loader)")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 part (moto)")
     args = ap.parse_args()
     worlds = [2, 4, 8] if args.quick else [int(w) for w in args.worlds.split(",")]
     sizes = [int(float(s)) for s in args.corpus.split(",")]
+    parts = set(args.parts.split(",")) - ({"s3"} if args.no_s3 else set())
+    unknown = parts - {"ckpt", "s3", "loader"}
+    if unknown:
+        sys.exit(f"--parts: unknown part(s) {', '.join(sorted(unknown))} (ckpt, s3, loader)")
     verdicts: list[str] = []
     root = Path(tempfile.mkdtemp(prefix="podtrain-scale-"))
     try:
-        rows = []
-        for w in worlds:
-            rows.append(ckpt_world(w, root))
-            print(f"  [checkpoint at {w} ranks: {rows[-1]['wall_s']:.0f} s]", file=sys.stderr, flush=True)
-        big = ckpt_world(worlds[0], root, scale=2)
-        probe = block_probe(worlds[:2], root)
-        params = (scale_ckpt.llama_params(scale_ckpt.llama_config(1)), scale_ckpt.llama_params(scale_ckpt.llama_config(2)))
-        verdicts += report_ckpt(rows, big, params, probe)
-        if not args.no_s3:
-            import scale_s3
-
-            work = scale_s3.workdir()
-            bench = scale_s3.S3Bench(work)
-            try:
-                runs = {}
-                for w in worlds:
-                    runs[w] = bench.run_world(w)
-                    print(f"  [S3 at {w} ranks done]", file=sys.stderr, flush=True)
-            finally:
-                bench.stop()
-                shutil.rmtree(work, ignore_errors=True)
-            verdicts += report_s3(runs)
-        verdicts += report_loader(sizes, root)
+        if "ckpt" in parts:
+            verdicts += run_ckpt(worlds, root)
+        if "s3" in parts:
+            verdicts += run_s3(worlds)
+        if "loader" in parts:
+            verdicts += report_loader(sizes, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("\n" + "\n".join(verdicts))
