@@ -42,7 +42,9 @@ _RANK_RE = re.compile(r"rank[_-]?0*(\d+)")
 def llama_config(scale: int = 1) -> dict:
     """A llama config.json dict: 70B's 80 layers (723 tensors), widths / SHRINK x ``scale`` (each
     matrix scale^2 x larger; 70B's 8 query heads per KV head, head_dim 8)."""
-    w = lambda n: max(1, n * scale // SHRINK)  # noqa: E731
+    def w(n: int) -> int:
+        return max(1, n * scale // SHRINK)
+
     heads = 8 * scale  # head_dim 8 at every scale: q/k/v/o grow as the other matrices do
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": w(8192),
             "intermediate_size": w(28672), "num_hidden_layers": 80, "num_attention_heads": heads,
@@ -50,13 +52,18 @@ def llama_config(scale: int = 1) -> dict:
             "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}
 
 
+def llama_shapes(cfg: dict) -> list[tuple[int, int, int]]:
+    """``(rows, cols, how many)`` of a llama config's tensors (untied): per layer q, k, v, o, gate,
+    up, down and two norms; then the embeddings and the LM head, and the final norm."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)]
+    return [(r, c, cfg["num_hidden_layers"]) for r, c in layer] + [(v, h, 2), (h, 1, 1)]
+
+
 def llama_params(cfg: dict) -> int:
-    """Parameters of a llama config (no tied weights): what the checkpoint's bytes scale with."""
-    h, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * head_dim
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return layers * per_layer + 2 * v * h + h
+    """Parameters of a llama config: what the checkpoint's bytes scale with."""
+    return sum(r * c * n for r, c, n in llama_shapes(cfg))
 
 
 # -- counting from outside ---------------------------------------------------------------------
@@ -199,11 +206,8 @@ def probe_blocks(rows: int, world: int, block: int) -> int:
 def llama_blocks(cfg: dict, world: int, block: int) -> int:
     """Checksum blocks of a llama checkpoint (fp32 weights + two AdamW moments) under FSDP on
     ``world`` ranks: each rank's dim-0 shard of each tensor is a piece."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or h // cfg["num_attention_heads"])
-    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h, 1), (h, 1)]
     total = 0
-    for rows, cols, count in [(r, c, cfg["num_hidden_layers"]) for r, c in shapes] + [(v, h, 2), (h, 1, 1)]:
+    for rows, cols, count in llama_shapes(cfg):
         piece = -(-rows // world) * cols * 4
         total += count * 3 * world * -(-piece // block)
     return total
