@@ -153,7 +153,8 @@ def install_counters(tally_of) -> None:
         return call
 
     json.loads = timed("json_bytes", json.loads, lambda a: len(a[0]))  # json.load calls it too
-    c10d._tensor_to_object = timed("unpickled_bytes", c10d._tensor_to_object, lambda a: int(a[1]))
+    if hasattr(c10d, "_tensor_to_object"):  # torch's private helper (2.13): the objects' bytes
+        c10d._tensor_to_object = timed("unpickled_bytes", c10d._tensor_to_object, lambda a: int(a[1]))
     real_read = Store.read_bytes
 
     def read_bytes(self, name):
