@@ -2,10 +2,10 @@
 2 simulated nodes (forked ranks over gloo, one rank per node, each with its own local directory),
 without replicas (K=0, the local tier alone) and with them (K=1, the default), side by side.
 
-    .venv/bin/python bench/replica_stall.py [--preset tiny] [--steps 12] [--rounds 2] [--step-s 0.3]
+    .venv/bin/python bench/replica_stall.py [--preset mid] [--steps 12] [--rounds 2] [--step-s 0.3]
 
-Each configuration runs the same loop: a simulated training step (matmuls for ``--step-s``
-seconds), then ``Checkpointer.save(local=True)`` (podtrain's defaults otherwise; ``local_every``
+Each configuration runs the same loop: a simulated training step (``--step-s`` seconds: a wait,
+as a GPU step is for the host's cores; ``--step-kind cpu``: matmuls on them), then ``Checkpointer.save(local=True)`` (podtrain's defaults otherwise; ``local_every``
 is 1, the most demanding cadence). Printed per configuration: the median and p90 time the step
 loop spent in ``save`` (its stall: host copy plus any wait for the previous save), the loop's
 total time, and how many local steps were replicated. The verdict line compares K=1 with K=0:
@@ -35,7 +35,7 @@ from podtrain.config_sections import CkptSection  # noqa: E402
 from podtrain.model import build_model, preset_config  # noqa: E402
 
 
-def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float):
+def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float, step_kind: str):
     """One rank = one node: train-like steps, a local save after each; its stalls and totals."""
     os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     ctx = gloo_context()
@@ -54,10 +54,10 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
     waits: list[float] = []
     settle = ck._settle
 
-    def timed_settle(must):  # how much of the stall is waiting for the previous save
+    def timed_settle(must, *tier):  # how much of the stall is waiting for the previous save
         t0 = time.perf_counter()
         try:
-            return settle(must)
+            return settle(must, *tier)
         finally:
             waits.append(time.perf_counter() - t0)
 
@@ -65,8 +65,11 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
     stalls, state = [], {"step": 0, "tokens_seen": 0, "run_id": "bench", "config": {}}
     loop0 = time.perf_counter()
     for step in range(1, steps + 1):
-        for _ in range(max(1, int(step_s / per_op))):
-            x = torch.tanh(x @ w)
+        if step_kind == "device":  # a GPU step: the host waits for the device, its cores are free
+            time.sleep(step_s)
+        else:
+            for _ in range(max(1, int(step_s / per_op))):
+                x = torch.tanh(x @ w)
         t0 = time.perf_counter()
         ck.save(step, model, opt, None, {**state, "step": step}, local=True)
         stalls.append(time.perf_counter() - t0)
@@ -77,20 +80,38 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
     return stalls[1:], loop_s, replicated, waits[1:]  # the first save allocates the host buffers
 
 
+def _mid_config() -> str:
+    """A llama config between the tiny preset and gpt2-124m, written to a temp file."""
+    import json
+
+    path = Path(tempfile.mkdtemp(prefix="podtrain-replica-bench-cfg-")) / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024,
+                                "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 6,
+                                "vocab_size": 8192, "max_position_embeddings": 512}))
+    return str(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="mid",
+                    help="a podtrain preset, a config.json, or 'mid' (a 17M-parameter llama: ~200 MB "
+                         "of checkpoint, whose replication takes longer than a step here)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-s", type=float, default=0.3, help="simulated training step length")
+    ap.add_argument("--step-kind", choices=("device", "cpu"), default="device",
+                    help="device: the step is a wait, as a GPU step is for the host (default); cpu: "
+                         "matmuls on the host's cores, which the copies then compete for")
     ap.add_argument("--dir", default=None, help="where the local directories go (default: temp)")
     args = ap.parse_args()
+    if args.preset == "mid":
+        args.preset = _mid_config()
     results: dict[int, list] = {0: [], 1: []}
     for r in range(args.rounds):
         for k in (0, 1):  # interleaved: the machine's load drifts
             base = tempfile.mkdtemp(prefix="podtrain-replica-bench-", dir=args.dir)
             try:
-                out = run_ranks(_loop, 2, base, k, args.preset, args.steps, args.step_s, timeout=1800)
+                out = run_ranks(_loop, 2, base, k, args.preset, args.steps, args.step_s, args.step_kind, timeout=1800)
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             stalls = [s for rank_stalls, *_ in out for s in rank_stalls]
