@@ -36,7 +36,7 @@ LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80
 """llama-3-70B's architecture numbers (its public config.json)."""
 SHRINK = 128
 """The bench model's widths are llama-3-70B's divided by this (same layer and tensor count)."""
-_RANK_RE = re.compile(r"rank[_-]?0*(\d+)")
+_RANK_RE = re.compile(r"(?:rank|meta)[_-]?0*(\d+)")  # piece files rank_N, sidecars meta_N
 
 
 def llama_config(scale: int = 1) -> dict:
