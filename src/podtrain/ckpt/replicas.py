@@ -102,7 +102,7 @@ def _exchange_header(header: bytes | None, dst: int | None, src: int | None, gro
 
 
 def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
-             in_prefix: str | None, src: int | None, group) -> int:
+             in_prefix: str | None, src: int | None, group, pace=None) -> int:
     """Send files ``rels`` under ``out_prefix`` to rank ``dst`` while receiving another rank's
     files from ``src`` into ``in_prefix`` (each side optional; both ranks of a pair call it).
     Each received file is committed atomically in the sent order (the marker last). Returns the
@@ -118,6 +118,8 @@ def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
     failure: BaseException | None = None
     writer, current, received, writing = None, -1, 0, True
     for j in range(max(len(plan_in), len(plan_out))):
+        if pace is not None:  # the replicator yields the disk to a local save in progress here
+            pace()
         reqs = []
         if j < len(plan_out):
             try:
@@ -153,14 +155,15 @@ def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
     return received
 
 
-def replicate(store, name: str, rank: int, ring: Ring, group) -> int:
+def replicate(store, name: str, rank: int, ring: Ring, group, pace=None) -> int:
     """After local step ``name`` committed on every rank: send this rank's files to its ring
-    targets and hold its sources' (every rank, from the background writer). Bytes received."""
+    targets and hold its sources' (every rank, from the replicator's thread). Bytes received.
+    ``pace()`` is called before each chunk (it may block: the peer just waits)."""
     received = 0
     for dst, src in zip(ring.targets, ring.sources):
         where = f"{name}/{replica_dir(src)}"
         store.delete_prefix(f"{where}/")  # an earlier timeline's replica of this step
-        received += exchange(store, name, files_of(store, name, rank), dst, where, src, group)
+        received += exchange(store, name, files_of(store, name, rank), dst, where, src, group, pace)
     return received
 
 

@@ -13,7 +13,9 @@ round starts with one MIN all_reduce on the replicator's group of the newest ste
 committed (commits are collective, so every rank reaches every step); ranks take part in a round
 only once their own writer has committed a step newer than the last one replicated, so the rounds
 line up on every rank without any message from the step loop. Retention of the local tier never
-removes a step newer than the last replicated one (``protect_from``): it may be in flight.
+removes a step newer than the last replicated one (``protect_from``): it may be in flight. While
+this rank's local writer has a save in progress, the copies pause between chunks
+(``writer_idle``): the next save, which the step loop may be waiting for, gets the disk alone.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ class Replicator:
         self._done: int | None = None  # the last step replicated (or given up on)
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.writer_idle = threading.Event()
+        """Set while this rank's local writer has no save in progress: the copies pause, chunk by
+        chunk, while it has one (they would share its disk and cores and slow the save the step
+        loop may be waiting for; a paused peer only makes the other side wait)."""
+        self.writer_idle.set()
         self.replicated = 0
         """Local steps replicated by this run so far."""
         self.last: dict[str, float] = {}
@@ -132,7 +139,7 @@ class Replicator:
         t0 = time.perf_counter()
         got, problem = 0, None
         try:
-            got = replicas.replicate(self.store, name, self.rank, self.ring, self.group)
+            got = replicas.replicate(self.store, name, self.rank, self.ring, self.group, self.writer_idle.wait)
         except Exception as exc:  # the save itself succeeded: a failed copy is a warning
             problem = f"rank {self.rank} on {self.host}: {type(exc).__name__}: {exc}"
         failed = torch.tensor([1 if problem else 0], dtype=torch.uint8)

@@ -189,10 +189,15 @@ class CheckpointWriter:
     def _worker(self) -> None:
         while (job := self._queue.get()) is not None:
             t0 = time.perf_counter()
+            if self.replicator is not None:  # the replicas' copies give way to this save
+                self.replicator.writer_idle.clear()
             try:
                 self._write(job)
             except BaseException as exc:  # surfaced to the step loop by Checkpointer.failed/wait
                 job.error = exc
+            finally:
+                if self.replicator is not None:
+                    self.replicator.writer_idle.set()
             job.write_s = time.perf_counter() - t0
             if job.error is None:
                 self.last_save = {"step": job.step, "stall_s": job.stall_s, "write_s": job.write_s,
