@@ -36,6 +36,7 @@ from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.fsutil import writable_dir
+from podtrain.storage import shared_s3_clients
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -85,8 +86,9 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
     setup_logging(env.rank)
     cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
     set_allocator_default()  # expandable segments, before CUDA starts (the user's own setting wins)
-    with process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
-                       collective_timeout(cfg.dist.timeout_s)) as ctx:
+    # The run's stores (data, checkpoints) share one S3 client per endpoint, released at its end.
+    with shared_s3_clients(), process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
+                                            collective_timeout(cfg.dist.timeout_s)) as ctx:
         trainer = Trainer(cfg, ctx)
         try:
             trainer.setup()
