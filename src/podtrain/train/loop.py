@@ -320,7 +320,7 @@ class Trainer:
         if not self.ctx.is_main:
             return
         state, result = self.state, self.result
-        self.metrics.write(state.goodput.closing_record(state.progress.step, "finished"))
+        state.metrics.write(state.goodput.closing_record(state.progress.step, "finished"))
         self.console.note(state.goodput.summary_line())
         self.console.note(ledger_line(state.loader.ledger()))
         if result.final_loss is None:
