@@ -36,6 +36,7 @@ a part's retries (at most ~7.5 s of backoff with 5 attempts; ~90 s with 10).
 
 from __future__ import annotations
 
+import gc
 import threading
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -99,9 +100,26 @@ class S3Clients:
             return client
 
     def close(self) -> None:
-        """Drop the pool's clients (the end of its scope)."""
+        """Release the pool's clients (the end of its scope, or of the store that owns it).
+
+        Their native threads are joined now, as s3torchconnector's own fork handler does for live
+        clients: a client merely dropped leaves threads shutting down that a fork soon after would
+        copy mid-way (the forked child then hangs at its first request)."""
         with self._lock:
-            self._clients.clear()
+            clients, self._clients = list(self._clients.values()), {}
+        live = [c for c in clients if getattr(c, "_native_client", None) is not None]
+        if live:
+            from s3torchconnectorclient._mountpoint_s3_client import join_all_managed_threads
+
+            for client in live:
+                client._native_client = None
+            del live, clients
+            gc.collect()
+            join_all_managed_threads(0.5)
+
+    def __del__(self) -> None:
+        if getattr(self, "_clients", None):
+            self.close()
 
     def __getstate__(self) -> dict:
         return {}
