@@ -115,7 +115,10 @@ class S3Clients:
                 client._native_client = None
             del live, clients
             gc.collect()
-            join_all_managed_threads(0.5)
+            try:
+                join_all_managed_threads(0.5)
+            except RuntimeError:  # still shutting down after 0.5 s: as s3torchconnector's handler, go on
+                pass
 
     def __del__(self) -> None:
         if getattr(self, "_clients", None):
