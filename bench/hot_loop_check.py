@@ -40,9 +40,9 @@ def _watch(trainer, warmup: int, checked: list[int]) -> None:
     step, log_interval = trainer.stepper.step, trainer._log_interval
 
     def checked_step(micro_batches):
-        if trainer.step >= warmup:
+        if trainer.progress.step >= warmup:
             _sync_debug("error")
-            checked.append(trainer.step + 1)
+            checked.append(trainer.progress.step + 1)
         step(micro_batches)
 
     def logged(interval):

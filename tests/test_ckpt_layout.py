@@ -232,7 +232,6 @@ def _tiny_step(net, opt) -> None:
 
 def _only_ckpt_corrupt_rank(rank, world, run_dir):
     """Save step 1 (both ranks), corrupt rank 1's file, then restore as a fresh relaunch would."""
-    from types import SimpleNamespace
 
     from podtrain.ckpt.state import capture_rng
     from podtrain.train.recovery import reinitialise
@@ -251,10 +250,7 @@ def _only_ckpt_corrupt_rank(rank, world, run_dir):
     torch.distributed.barrier()
     net, opt = _tiny(7)  # the relaunch: built from run.seed
     rng = capture_rng(torch.device("cpu"))["torch"]
-    trainer = SimpleNamespace(model=net, ctx=ck.ctx, strategy=SimpleNamespace(sharded=False),
-                              cfg=SimpleNamespace(run=SimpleNamespace(seed=7),
-                                                  model=SimpleNamespace(attn_implementation="eager")))
-    state = ck.restore(net, opt, None, fresh=lambda: reinitialise(trainer))
+    state = ck.restore(net, opt, None, fresh=lambda: reinitialise(net, ck.ctx, False, 7, "eager"))
     ck.close()
     same_rng = torch.equal(rng, torch.get_rng_state())
     weights = {k: v.clone() for k, v in net.state_dict().items()}

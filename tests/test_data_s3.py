@@ -79,7 +79,7 @@ def _upload(s3_server, bucket: str, local: Path, prefix: str) -> str:
 
 
 def _s3_rank(rank, world, local, url, cache_dir, cap_bytes, steps):
-    from podtrain.data.cache import BlockCache, CacheSpec
+    from podtrain.data.cache import CacheSpec
     from podtrain.data.mixture import parse_mix
     from podtrain.data.sources import DataSources
 
@@ -89,8 +89,8 @@ def _s3_rank(rank, world, local, url, cache_dir, cap_bytes, steps):
     remote, _ = _batches(None, steps, world, rank, sources)
     here, _ = _batches(local, steps, world, rank)
     same = all(np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0]) for a, b in zip(remote, here))
-    cache = BlockCache.shared(spec)
-    cache.wait_fetches()  # the read-ahead of the batch after the last may still be writing
+    cache = sources.cache  # closed with the loader: its read-ahead was cancelled or finished
+    cache.wait_fetches()
     on_disk = sum(f.stat().st_size for f in cache.dir.iterdir())
     return same, cache.used_bytes, on_disk, cache.block, len(list(cache.dir.iterdir()))
 

@@ -44,7 +44,7 @@ def _train(rank, world, repo, run_dir, data, overrides, kill_at=None, stop_at=No
         podtrain_faults.install(f"kill:rank=1,step={kill_at},delay=0.05")
     env = ClusterEnv.detect()
     if stop_at is not None:
-        loop.Trainer._should_stop = lambda self: self.step == stop_at
+        loop.Trainer._should_stop = lambda self: self.progress.step == stop_at
         # Not "torchrun" (as the forked ranks' variables suggest): a stopped torchrun worker
         # SIGTERMs its parent, which is pytest here.
         env = dataclasses.replace(env, launcher="srun")

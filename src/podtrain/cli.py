@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(parser)
         # intermixed: "CONFIG --nproc 2 k=v" puts overrides after options, as users type them
         args = parser.parse_intermixed_args(rest)
-        return int(module.run(args) or 0)
+        from podtrain.storage import shared_s3_clients  # here: `podtrain --help` stays light
+
+        with shared_s3_clients():  # the command's stores share one S3 client per endpoint, closed at its end
+            return int(module.run(args) or 0)
     except UserError as exc:
         print(f"podtrain: error: {exc}", file=sys.stderr)
         return exc.exit_code

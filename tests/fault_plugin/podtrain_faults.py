@@ -121,7 +121,7 @@ def _at_step_boundary(plan: StepFault, patch: Patch) -> None:
     original = loop.Trainer._should_stop
 
     def patched(self, *a, **kw):
-        plan.maybe_fire(self.ctx.rank, self.step, getattr(self, "checkpointer", None))
+        plan.maybe_fire(self.ctx.rank, self.progress.step, getattr(self, "checkpointer", None))
         return original(self, *a, **kw)
 
     patch(loop.Trainer, "_should_stop", patched)
@@ -149,7 +149,7 @@ def _stall(args: dict[str, str], patch: Patch) -> None:
     original = loop.Trainer._should_stop
 
     def patched(self, *a, **kw):
-        if self.ctx.rank == rank and self.step == step:
+        if self.ctx.rank == rank and self.progress.step == step:
             log.warning("fault injection: stall of %.0f s on rank %d at step %d", seconds, rank, step)
             if self.ctx.device.type == "cuda":
                 import torch

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from podtrain.storage import Store, open_store
+from podtrain.storage.s3_client import S3Clients, active_clients
 
 log = logging.getLogger("podtrain")
 
@@ -87,21 +88,21 @@ Key = tuple[str, str, int]
 """A block: (data directory url, shard name, block index)."""
 Wanted = dict[Key, tuple[str, int]]
 """Blocks to read, each with its shard's SHA-256 and the block's length in bytes."""
-_shared: dict[CacheSpec, "BlockCache"] = {}
 
 
 class BlockCache:
-    """Blocks of shards on S3, cached under ``spec`` (one per process and spec: ``shared``)."""
+    """Blocks of shards on S3, cached under ``spec``. One per data sources (``DataSources.use_cache``:
+    every split and source shares its budget), closed with their loader.
 
-    @classmethod
-    def shared(cls, spec: CacheSpec) -> "BlockCache":
-        """The process's cache for ``spec`` (every split and source shares its budget)."""
-        cache = _shared.get(spec)
-        if cache is None:
-            cache = _shared[spec] = cls(spec)
-        return cache
+    ``clients``: the S3 clients its stores share; None: those of the enclosing
+    ``storage.shared_s3_clients()`` block (taken now: the fetch threads do not see the block),
+    else its own, closed with it.
+    """
 
-    def __init__(self, spec: CacheSpec):
+    def __init__(self, spec: CacheSpec, clients: S3Clients | None = None):
+        clients = clients if clients is not None else active_clients()
+        self._owns_clients = clients is None
+        self._clients = S3Clients() if clients is None else clients
         self.spec = spec
         self.block = spec.block_bytes
         self.dir = Path(spec.cache_dir or default_cache_dir()) / f"{self.block >> 10}k" / f"local_{spec.slot}"
@@ -109,9 +110,10 @@ class BlockCache:
         self._lock = threading.Lock()
         self._writable = True
 
-    def __getstate__(self):  # a worker process makes its own pool, store and index
+    def __getstate__(self):  # a worker process makes its own pool, stores, clients and index
         state = self.__dict__.copy()
         state["_pid"] = None
+        state["_owns_clients"] = True  # ``_clients`` arrives empty: the worker's own
         for key in ("_lock", "_pool", "_stores", "_files", "_inflight", "_checked"):
             state.pop(key, None)
         return state
@@ -163,7 +165,7 @@ class BlockCache:
         url, name, j = key
         store = self._stores.get(url)
         if store is None:
-            store = self._stores[url] = open_store(url)
+            store = self._stores[url] = open_store(url, clients=self._clients)
         buf = np.empty(length, dtype=np.uint8)
         store.read_into(name, j * self.block, buf)
         self._keep(self._file(sha, j), buf)
@@ -280,3 +282,16 @@ class BlockCache:
                 got = self._fetch(key, sha, length)
             out[key] = got
         return out
+
+    def close(self) -> None:
+        """Release the fetch threads and the stores (the loader's end): fetches not started are
+        cancelled, those running finish (one block each). The cached files stay; a later read
+        opens the cache again."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return  # nothing opened in this process
+            self._pid = None
+            pool, self._stores, self._inflight = self._pool, {}, {}
+        pool.shutdown(wait=True, cancel_futures=True)
+        if self._owns_clients:
+            self._clients.close()

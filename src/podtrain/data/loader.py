@@ -303,8 +303,8 @@ class ShardedLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the background thread or workers (safe to call twice). A producer still busy
-        after ``join_timeout_s`` is left to end by itself at its next check."""
+        """Stop the background thread or workers, then release the S3 block cache (safe to call
+        twice). A producer still busy after ``join_timeout_s`` is left to end by itself at its next check."""
         if self._stop is not None:
             self._stop.set()
             self._stop = None
@@ -314,6 +314,7 @@ class ShardedLoader:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        self.sources.close()  # the S3 block cache's fetch threads and stores
 
 
 def saved_order(state: dict[str, Any], current: str) -> str:

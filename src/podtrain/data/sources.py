@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from podtrain.data.cache import CacheSpec
+from podtrain.data.cache import BlockCache, CacheSpec
 from podtrain.data.manifest import MANIFEST_NAME, Manifest, check_vocab, read_manifest, same_tokenizer, \
     tokenizer_identity, verify_shards
 from podtrain.data.mixture import SourceSpec, parse_mix
@@ -136,7 +136,8 @@ class DataSources:
         check_one_tokenizer(self.specs, self.manifests)
         self.indexes = [SampleIndex(m, split, seq_len) for m in self.manifests]
         self.vocab_limit: int | None = None  # the model's vocabulary, once check_vocab has run
-        self.cache = CacheSpec("", 0)
+        self.cache: BlockCache | None = None
+        self.use_cache(CacheSpec("", 0))  # S3 blocks are read through a cache that keeps none
 
     @classmethod
     def from_config(cls, data, split: str = "train",
@@ -150,10 +151,16 @@ class DataSources:
         return sources
 
     def use_cache(self, spec: CacheSpec) -> None:
-        """Read S3 shards through the block cache ``spec`` (every split of every source)."""
-        self.cache = spec
+        """Read S3 shards through one block cache under ``spec`` (every split of every source)."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = BlockCache(spec)
         for index in self.indexes:
-            index.tokens.cache = spec
+            index.tokens.cache = self.cache
+
+    def close(self) -> None:
+        """Release the block cache's threads and S3 stores (the loader's end; reading again reopens them)."""
+        self.cache.close()
 
     @property
     def names(self) -> list[str]:

@@ -40,7 +40,9 @@ class SplitTokens:
         self._keys = [s.sha256 or hashlib.sha256(f"{self.url}/{s.name}:{s.tokens}".encode()).hexdigest()
                       for s in self.shards]
         self._arrays: list[np.memmap] | None = None  # opened lazily: memmaps do not survive fork well
-        self.cache: CacheSpec = CacheSpec("", 0)
+        self.cache: BlockCache | None = None
+        """S3 shards: the block cache they are read through (``DataSources.use_cache``); None: a
+        cache of this split's own, of no budget, made at the first read."""
 
     def __getstate__(self):  # workers and forks reopen their own memmaps
         state = self.__dict__.copy()
@@ -73,7 +75,7 @@ class SplitTokens:
                 for k, first, count, at in parts:
                     out[row, at:at + count] = self._arrays[k][first:first + count]
             return out
-        cache = BlockCache.shared(self.cache)
+        cache = self._block_cache()
         got = cache.blocks(self._wanted(pieces, cache.block))
         item = self.dtype.itemsize
         for row, parts in enumerate(pieces):
@@ -84,6 +86,11 @@ class SplitTokens:
                                       for j in range(lo // cache.block, (hi - 1) // cache.block + 1)])
                 out[row, at:at + count] = raw.view(self.dtype)
         return out
+
+    def _block_cache(self) -> BlockCache:
+        if self.cache is None:
+            self.cache = BlockCache(CacheSpec("", 0))
+        return self.cache
 
     def _wanted(self, pieces, block: int) -> Wanted:
         """The blocks the pieces touch, each with its shard's content key and length."""
@@ -100,7 +107,7 @@ class SplitTokens:
     def warm(self, starts: np.ndarray, length: int) -> None:
         """S3: start fetching the blocks these windows need (read-ahead; returns at once)."""
         if self.remote:
-            cache = BlockCache.shared(self.cache)
+            cache = self._block_cache()
             cache.warm(self._wanted([list(self._pieces(int(s), length)) for s in starts], cache.block))
 
 

@@ -156,6 +156,16 @@ class DistContext:
             dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on global rank ``dst`` alone (None on the others):
+        what one rank needs from all, without sending it to every rank (every rank calls)."""
+        if not self.initialized:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        with self.recorder.begin("gather_object"):
+            dist.gather_object(obj, out, dst=dst)
+        return out
+
     def agree(self, error: BaseException | None) -> None:
         """Every rank learns whether any rank failed, so none waits in a collective for a rank
         that stopped. Ranks without an error of their own raise one naming the failed rank and

@@ -80,8 +80,7 @@ class PodtrainLM(LM):
         """Every rank's ``obj`` on ``dst`` (None elsewhere); called on every rank."""
         if self._world_size == 1:
             return [obj]
-        everything = self.ctx.all_gather_object(obj)
-        return everything if self._rank == dst else None
+        return self.ctx.gather_object(obj, dst)
 
     def barrier(self) -> None:
         """Wait for every rank."""

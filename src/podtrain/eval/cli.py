@@ -89,7 +89,9 @@ def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: in
     model = loaded.model.to(ctx.device)
     precision = resolve_precision("auto", ctx.device)
     results, mine = evaluator.run(model, ctx, precision.autocast)
-    every = ctx.all_gather_object(mine)
+    every = ctx.gather_object(mine)  # rank 0 alone writes the summary
+    if every is None:
+        return results or {}, {}
     seconds = max(m["seconds"] for m in every)
     requests = sum(m["requests"] for m in every)
     summary = {"source": str(source), "label": loaded.label, "step": loaded.step, "tasks": names,

@@ -141,19 +141,23 @@ class S3Store(Store):
 
     is_local = False
 
-    def __init__(self, url: str, retry: RetryPolicy | None = None):
+    def __init__(self, url: str, retry: RetryPolicy | None = None, clients: s3_client.S3Clients | None = None):
         self.url = url
         self.loc = parse_s3_url(url)
         self.retry = retry if retry is not None else RetryPolicy()
+        # Whose CRT client: the caller's, else the enclosing shared_s3_clients() block's, else its own.
+        if clients is None:
+            clients = s3_client.active_clients()
+        self.clients = clients if clients is not None else s3_client.S3Clients()
         self._client = None
         self.s3_exception = s3_client.s3_exception_type(url)  # fails now, in one line, without the extra
         self._bucket_checked = False
 
     @property
     def client(self):
-        """The shared CRT client (created on first use)."""
+        """The CRT client of ``self.clients`` (taken on first use)."""
         if self._client is None:
-            self._client = s3_client.client_for(self.url)
+            self._client = self.clients.client(self.url)
         return self._client
 
     def call(self, url: str, op: Callable[[], T]) -> T:

@@ -1,4 +1,10 @@
-"""The only module that touches ``s3torchconnector``: its CRT client, one per endpoint and region.
+"""The only module that touches ``s3torchconnector``: its CRT clients, shared within a scope.
+
+Sharing: each CRT client owns thread pools and connection pools, so the stores of a process share
+one per endpoint, region and profile (``S3Clients``), not one per store, shard or file. The clients
+belong to a scope, not to the module: ``shared_s3_clients()`` (entered by ``podtrain.cli.main``
+and ``train()``) makes the stores opened inside its ``with`` block share its clients and closes them
+when the block ends; a store opened outside any scope, or given no clients, owns its own.
 
 Why the native stream for uploads, not the public ``S3Writer``: ``S3Writer.__exit__`` does not close
 the upload when the block raised, but ``S3Writer`` is an ``io.BufferedIOBase``, whose finaliser calls
@@ -30,7 +36,10 @@ a part's retries (at most ~7.5 s of backoff with 5 attempts; ~90 s with 10).
 
 from __future__ import annotations
 
+import gc
 import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Iterator
 
 from podtrain.storage import s3_config
@@ -43,8 +52,9 @@ buffers go in slices to bound the extra memory (and a stop is noticed between sl
 CRT_MAX_ATTEMPTS = 5
 """Tries of each HTTP request inside the CRT client (its default is 10: see the module doc)."""
 
-_clients: dict = {}
-_lock = threading.Lock()
+_scope: ContextVar["S3Clients | None"] = ContextVar("podtrain_s3_clients", default=None)
+"""The clients of the innermost ``shared_s3_clients()`` block of this thread's context (None:
+outside any). A ContextVar, not a module global: set on entering the block, reset on leaving it."""
 
 
 def _import(url: str):
@@ -62,22 +72,89 @@ def s3_exception_type(url: str) -> type:
     return _import(url)[2]
 
 
-def client_for(url: str):
-    """The shared ``S3Client`` for the endpoint, region and profile the environment names now.
+class S3Clients:
+    """CRT clients, one per endpoint, region and profile the environment names when one is asked
+    for; ``close`` drops them (a store that still holds one keeps it alive until the store goes).
 
-    One CRT client per combination: each owns thread pools and connection pools, so stores share it.
-    A custom endpoint (``AWS_ENDPOINT_URL[_S3]``) is addressed path-style.
+    Picklable as an empty pool: a DataLoader worker process makes its own clients (a CRT client
+    does not survive a fork).
     """
-    S3Client, S3ClientConfig, _ = _import(url)
-    endpoint, region, profile = s3_config.endpoint_url(), s3_config.region(), s3_config.profile()
-    key = (endpoint, region, profile)
-    with _lock:
-        client = _clients.get(key)
-        if client is None:
-            config = S3ClientConfig(force_path_style=endpoint is not None, profile=profile,
-                                    max_attempts=CRT_MAX_ATTEMPTS)
-            client = _clients[key] = S3Client(region, endpoint=endpoint, s3client_config=config)
-        return client
+
+    def __init__(self) -> None:
+        self._clients: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def client(self, url: str):
+        """The ``S3Client`` for the endpoint, region and profile the environment names now (made
+        on first use; ``url`` names the culprit when the extra is missing). A custom endpoint
+        (``AWS_ENDPOINT_URL[_S3]``) is addressed path-style."""
+        S3Client, S3ClientConfig, _ = _import(url)
+        endpoint, region, profile = s3_config.endpoint_url(), s3_config.region(), s3_config.profile()
+        key = (endpoint, region, profile)
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                config = S3ClientConfig(force_path_style=endpoint is not None, profile=profile,
+                                        max_attempts=CRT_MAX_ATTEMPTS)
+                client = self._clients[key] = S3Client(region, endpoint=endpoint, s3client_config=config)
+            return client
+
+    def close(self) -> None:
+        """Release the pool's clients (the end of its scope, or of the store that owns it).
+
+        Their native threads are joined now, as s3torchconnector's own fork handler does for live
+        clients: a client merely dropped leaves threads shutting down that a fork soon after would
+        copy mid-way (the forked child then hangs at its first request)."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        live = [c for c in clients if getattr(c, "_native_client", None) is not None]
+        if live:
+            from s3torchconnectorclient._mountpoint_s3_client import join_all_managed_threads
+
+            for client in live:
+                client._native_client = None
+            del live, clients
+            gc.collect()
+            try:
+                join_all_managed_threads(0.5)
+            except RuntimeError:  # still shutting down after 0.5 s: as s3torchconnector's handler, go on
+                pass
+
+    def __del__(self) -> None:
+        if getattr(self, "_clients", None):
+            self.close()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def active_clients() -> S3Clients | None:
+    """The clients of the ``shared_s3_clients()`` block this code runs in, or None."""
+    return _scope.get()
+
+
+@contextmanager
+def shared_s3_clients() -> Iterator[S3Clients]:
+    """Within the block, stores opened without clients of their own share these (one per
+    endpoint, region and profile); they are closed when the block ends. Inside another such block
+    this one is that block's (the outermost owns them).
+
+    A thread started inside the block does not see it (Python gives a new thread an empty
+    context): what reads S3 in threads takes its clients when it is made (``BlockCache``)."""
+    outer = _scope.get()
+    if outer is not None:
+        yield outer
+        return
+    clients = S3Clients()
+    token = _scope.set(clients)
+    try:
+        yield clients
+    finally:
+        _scope.reset(token)
+        clients.close()
 
 
 def get_range(client, bucket: str, key: str, start: int, end: int) -> Iterator[bytes]:

@@ -15,7 +15,6 @@ import signal
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, blend_entropy
+from podtrain.data.manifest import tokenizer_identity
 from podtrain.data.mixture import ledger_fields, ledger_line
 from podtrain.data.sources import shared_manifests
 from podtrain.distributed import fd_limit
@@ -37,6 +37,7 @@ from podtrain.distributed.timing import step_clock
 from podtrain.distributed.watchdog import Watchdog
 from podtrain.errors import UserError
 from podtrain.fsutil import writable_dir
+from podtrain.storage import shared_s3_clients
 from podtrain.launch import exit_report
 from podtrain.model import model_size
 from podtrain.observe.console import Progress, setup_logging
@@ -56,11 +57,11 @@ from podtrain.train.recovery import restore_checkpoint, review_skipped_steps, sk
 from podtrain.train.replicas import check_all_parameters_used, check_replicas
 from podtrain.train import saving
 from podtrain.train.signals import StopSignal
+from podtrain.train.state import Learner, RunProgress, TrainResult, TrainState
 from podtrain.train.step import Stepper
 from podtrain.train.strategy import Strategy, build_for_strategy, build_strategy, checkpoint_activations
 
 log = logging.getLogger("podtrain")
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,33 +81,15 @@ def run(args: argparse.Namespace) -> int:
         return result.exit_code
 
 
-@dataclass
-class TrainResult:
-    """What a finished (or stopped) run reports back to its caller.
-
-    Attributes:
-        step: optimizer steps completed.
-        exit_code: 0 when finished, the requeue code when stopped by a signal.
-        final_loss: last logged training loss (token-weighted over ranks), or None.
-        val_loss: last validation loss, or None.
-        val_bpb: last validation bits per byte, or None.
-    """
-
-    step: int
-    exit_code: int = 0
-    final_loss: float | None = None
-    val_loss: float | None = None
-    val_bpb: float | None = None
-
-
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
     """Train with ``cfg`` on this rank; every rank of the job calls this."""
     env = env or ClusterEnv.detect()
     setup_logging(env.rank)
     cap_cpu_threads(env.local_world_size, cfg.dist.threads_per_rank)
     set_allocator_default()  # expandable segments, before CUDA starts (the user's own setting wins)
-    with process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
-                       collective_timeout(cfg.dist.timeout_s)) as ctx:
+    # The run's stores (data, checkpoints) share one S3 client per endpoint, released at its end.
+    with shared_s3_clients(), process_group(env, cfg.dist.backend, collective_timeout(cfg.dist.init_timeout_s),
+                                            collective_timeout(cfg.dist.timeout_s)) as ctx:
         trainer = Trainer(cfg, ctx)
         try:
             trainer.setup()
@@ -122,13 +105,13 @@ def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
 
 
 class Trainer:
-    """One rank's training state; see ``run`` for the loop."""
+    """One rank's training: ``setup`` builds the components (and ``close`` releases them on every
+    exit path); ``run`` is the loop over the ``TrainState`` they make up (``train/state.py``)."""
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.run_dir = Path(cfg.run.dir)
-        self.step = 0
-        self.tokens_seen = 0
+        self.progress = RunProgress()
         self.run_id = uuid.uuid4().hex[:12]
         # Built by setup(), in this order; None until then (close() runs on any exit path).
         self.loader: ShardedLoader | None = None
@@ -151,12 +134,14 @@ class Trainer:
         self.straggler: StragglerMonitor | None = None
         self._straggler_report: dict[str, Any] | None = None
         self.metrics: MetricsWriter | None = None
-        self.progress: Progress | None = None
+        self.console: Progress | None = None
         self.profiler: StepProfiler | None = None
         self.result = TrainResult(step=0)
         self.goodput = GoodputClock(time.time())
         self.guard: Guard | None = None
         self.saves: SaveSchedule | None = None
+        self.state: TrainState | None = None
+        """What the loop, saving and recovery share; the end of ``setup`` makes it."""
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -184,17 +169,20 @@ class Trainer:
                                ctx.world_size, cfg.train.global_batch_size * cfg.data.seq_len, ctx.device,
                                clock=step_clock(ctx.device), recorder=ctx.recorder,
                                judge=StepJudge(cfg.guard, ctx.device) if cfg.guard.enabled else None)
+        learner = Learner(self.model, self.optimizer, self.stepper)
         self.peak = peak_flops(ctx.device, self.precision.name, cfg.log.peak_flops)
-        self._setup_checkpoints()
+        self._setup_checkpoints(learner)
         self._setup_straggler_monitor()
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
             self.goodput.load_history(self.run_dir / "metrics.jsonl")
         self.metrics = open_run_metrics(self.run_dir, ctx.is_main, cfg.log.trackers, self.run_id,
-                                        to_dict(cfg), self.step, self.tokens_seen)
+                                        to_dict(cfg), self.progress.step, self.progress.tokens_seen)
         self.profiler = StepProfiler(parse_steps(cfg.profile.steps), self.run_dir / "profile", ctx.rank,
                                      ctx.device, cfg.profile.cuda_memory)
+        self.state = TrainState(cfg, ctx, self.run_id, self.progress, learner, self.loader, self.checkpointer,
+                                self.saves, self.guard, self.goodput, self.stop_signal, self.metrics)
         self._log_start()
 
     def _setup_local(self, manifests: list | None = None) -> None:
@@ -234,17 +222,21 @@ class Trainer:
         self.reference = None  # rank 0's whole copy, no longer needed
         return wrapped
 
-    def _setup_checkpoints(self) -> None:
-        self.checkpointer = Checkpointer(self.run_dir, self.cfg.ckpt, self.ctx)
+    def _setup_checkpoints(self, learner: Learner) -> None:
+        """The checkpointer, the restore (config check, load, optimizer hyperparameters, replica
+        check) and what starts from the restored step: the guard's memory, the save schedule."""
+        cfg, ctx = self.cfg, self.ctx
+        self.checkpointer = Checkpointer(self.run_dir, cfg.ckpt, ctx)
         self.run_id = self.checkpointer.identity.lineage  # the run's id across its restarts
-        state = restore_checkpoint(self)  # config check, load, optimizer hyperparameters, replica check
+        resumed = restore_checkpoint(cfg, ctx, learner, self.checkpointer,
+                                     tokenizer_identity(self.loader.manifest.tokenizer))
         self.goodput.note_restore(self.checkpointer.restore_budget)  # seconds and bytes by source
-        self.guard = Guard(self.cfg.guard, self.run_dir, self.ctx.is_main)
-        if state is not None:
-            self.apply_resume(state)
-            saving.restore_guard(self, state.train_state.get("guard"))
-        self.saves = SaveSchedule(self.cfg.ckpt, self.step)
-        self.stop_signal = StopSignal(self.cfg.ckpt.signals)
+        self.guard = Guard(cfg.guard, self.run_dir, ctx.is_main)
+        if resumed is not None:
+            saving.apply_resume(resumed, self.progress, self.loader, ctx.device)
+            saving.restore_guard(learner.judge, self.guard, resumed.train_state.get("guard"))
+        self.saves = SaveSchedule(cfg.ckpt, self.progress.step)
+        self.stop_signal = StopSignal(cfg.ckpt.signals)
 
     def _start_watchdog(self) -> None:
         """Watch start-up too (dist.init_timeout_s until the first step, then dist.timeout_s)."""
@@ -280,136 +272,140 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """Train to ``train.steps``: batch -> step -> log -> eval -> checkpoint."""
-        cfg, ctx = self.cfg, self.ctx
-        total = cfg.train.steps
-        self.progress = Progress(cfg.log.progress, total, self.step, enabled=ctx.is_main)
-        if self.step >= total:
+        cfg, ctx, state = self.cfg, self.ctx, self.state
+        progress, loader, stepper = state.progress, state.loader, state.learner.stepper
+        total, tokens_per_step = cfg.train.steps, cfg.train.global_batch_size * cfg.data.seq_len
+        self.console = Progress(cfg.log.progress, total, progress.step, enabled=ctx.is_main)
+        if progress.step >= total:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
-                     "continue, or use a new run.dir)", self.step, total)
-        interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
-        self.goodput.start_steps()
-        while self.step < total:
+                     "continue, or use a new run.dir)", progress.step, total)
+        interval = LogInterval(time.perf_counter(), sync_start=stepper.clock.total_sync_wait_s)
+        state.goodput.start_steps()
+        while progress.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
-            self.guard.skip_data(self.loader)
-            start = self.loader.consumed
-            with self.profiler.around(self.step + 1):  # a no-op outside profile.steps
-                batch = self.loader.next()
-                set_lr(self.optimizer, schedule_lr(cfg.optim, self.step, total))
-                self.stepper.step(batch.micro_batches)
-            self.step += 1
-            self.tokens_seen += cfg.train.global_batch_size * cfg.data.seq_len
+            state.guard.skip_data(loader)
+            start = loader.consumed
+            with self.profiler.around(progress.step + 1):  # a no-op outside profile.steps
+                batch = loader.next()
+                set_lr(state.learner.optimizer, schedule_lr(cfg.optim, progress.step, total))
+                stepper.step(batch.micro_batches)
+            progress.advance(tokens_per_step)
             interval.add(batch.wait_s)
             interval.exclude(self.profiler.take_write_s())
-            self.guard.note(self.step, start, batch.consumed)
-            self.goodput.step_done(self.step)
+            state.guard.note(progress.step, start, batch.consumed)
+            state.goodput.step_done(progress.step)
             if self.watchdog is not None:
-                self.watchdog.beat(self.step)
+                self.watchdog.beat(progress.step)
             if self.straggler is not None:
                 self._observe_straggler(batch.wait_s)
             ctx.startup_done()  # this process's first step (resumed or not): the steady-state timeout
-            last = self.step == total
-            if self.step % cfg.log.every == 0 or last:
+            last = progress.step == total
+            if progress.step % cfg.log.every == 0 or last:
                 self._log_interval(interval)
-                interval = LogInterval(time.perf_counter(), sync_start=self.stepper.clock.total_sync_wait_s)
+                interval = LogInterval(time.perf_counter(), sync_start=stepper.clock.total_sync_wait_s)
             # The checkpoint before the evaluation: an evaluation that fails (memory, a task's
             # bug) must not cost the steps since the last save, at every restart again.
-            if tier := saving.due(self, total):
-                interval.exclude(saving.save(self, tier, must=last) or 0.0)
-            if self.evals.due(self.step, last):
-                interval.exclude(self.goodput.add("eval", self._evaluate(last)))
-        self.stop_signal.drain()
+            if tier := saving.due(state, total):
+                interval.exclude(saving.save(state, tier, must=last) or 0.0)
+            if self.evals.due(progress.step, last):
+                interval.exclude(state.goodput.add("eval", self._evaluate(last)))
+        state.stop_signal.drain()
         self._summary()
         return self.result
 
     def _should_stop(self) -> bool:
         """At a step boundary, on every rank: did any rank get a stop signal (or did a background
         save fail: raised here)? (The seam where tests inject faults, see tests/fault_plugin.)"""
-        return saving.should_stop(self)
+        return saving.should_stop(self.state)
 
     def _summary(self) -> None:
         """Rank 0's closing lines: goodput, final losses against the corpus's unigram entropy."""
         if not self.ctx.is_main:
             return
-        self.metrics.write(self.goodput.closing_record(self.step, "finished"))
-        self.progress.note(self.goodput.summary_line())
-        self.progress.note(ledger_line(self.loader.ledger()))
-        if self.result.final_loss is None:
+        state, result = self.state, self.result
+        state.metrics.write(state.goodput.closing_record(state.progress.step, "finished"))
+        self.console.note(state.goodput.summary_line())
+        self.console.note(ledger_line(state.loader.ledger()))
+        if result.final_loss is None:
             return
-        sources = self.loader.sources
+        sources = state.loader.sources
         entropy = blend_entropy(sources.manifests, [spec.weight for spec in sources.specs])
         of = "the training data" if len(sources.specs) == 1 else "the training blend (data.mix, by weight)"
-        val = (f"{self.result.val_loss:.4f} nats ({self.result.val_bpb:.4f} bits/byte)"
-               if self.result.val_loss is not None else "n/a")
-        self.progress.note(
-            f"done: {self.step} steps, {self.tokens_seen:,} tokens | train loss "
-            f"{self.result.final_loss:.4f} nats, validation loss {val} | unigram entropy of "
+        val = (f"{result.val_loss:.4f} nats ({result.val_bpb:.4f} bits/byte)"
+               if result.val_loss is not None else "n/a")
+        self.console.note(
+            f"done: {state.progress.step} steps, {state.progress.tokens_seen:,} tokens | train loss "
+            f"{result.final_loss:.4f} nats, validation loss {val} | unigram entropy of "
             f"{of} {entropy:.4f} nats (a model that ignored context would sit there)")
 
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: LogInterval) -> None:
-        loss, grad_norm = self.stepper.stats.read(self.ctx.all_reduce_sum)
-        if not math.isfinite(loss) and not self.cfg.guard.enabled:
-            raise UserError(f"training loss is {loss} at step {self.step}: lower optim.lr or check the data")
-        skipped = skipped_steps(self)
+        state, cfg, ctx = self.state, self.cfg, self.ctx
+        step, stepper = state.progress.step, state.learner.stepper
+        loss, grad_norm = stepper.stats.read(ctx.all_reduce_sum)
+        if not math.isfinite(loss) and not cfg.guard.enabled:
+            raise UserError(f"training loss is {loss} at step {step}: lower optim.lr or check the data")
+        skipped = skipped_steps(state)
         record = interval.record(
-            step=self.step, loss=loss, grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"],
-            tokens_per_step=self.cfg.train.global_batch_size * self.cfg.data.seq_len,
-            flops_per_token=self.size.flops_per_token, world_size=self.ctx.world_size, peak=self.peak,
-            sync_total_s=self.stepper.clock.total_sync_wait_s, max_mem_bytes=max_memory_bytes(self.ctx.device),
-            tokens_seen=self.tokens_seen, epoch=self.loader.epoch, run_id=self.run_id)
+            step=step, loss=loss, grad_norm=grad_norm, lr=state.learner.optimizer.param_groups[0]["lr"],
+            tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len,
+            flops_per_token=self.size.flops_per_token, world_size=ctx.world_size, peak=self.peak,
+            sync_total_s=stepper.clock.total_sync_wait_s, max_mem_bytes=max_memory_bytes(ctx.device),
+            tokens_seen=state.progress.tokens_seen, epoch=state.loader.epoch, run_id=state.run_id)
         if self._straggler_report:
             record.update(self._straggler_report)
             self._straggler_report = None
-        record.update(self.goodput.record(), **ledger_fields(self.loader.ledger()), skipped_steps=len(skipped),
-                      skipped_total=self.guard.skipped_total + len(skipped))  # review() adds them
-        self.metrics.write(record)
-        self.progress.update(record)
+        record.update(state.goodput.record(), **ledger_fields(state.loader.ledger()), skipped_steps=len(skipped),
+                      skipped_total=state.guard.skipped_total + len(skipped))  # review() adds them
+        state.metrics.write(record)
+        self.console.update(record)
         self.result.final_loss = loss if math.isfinite(loss) else self.result.final_loss
-        self.result.step = self.step
-        self.saves.check_grace(self.checkpointer.last_save)
-        review_skipped_steps(self, skipped)
+        self.result.step = step
+        state.saves.check_grace(state.checkpointer.last_save)
+        review_skipped_steps(state, skipped)
 
     def _observe_straggler(self, wait_s: float) -> None:
         """Feed this step's data wait to the straggler monitor (the step clock has the rest);
         every N steps it compares ranks (one small all_gather on every rank) and its report joins
         the next metrics line."""
+        step = self.state.progress.step
         self.straggler.observe_wait(wait_s)
-        report = self.straggler.maybe_report(self.step)
+        report = self.straggler.maybe_report(step)
         if report:
             self._straggler_report = report
             if report["straggler_rank"] is not None and self.ctx.is_main:  # for the scheduler
                 write_verdict(self.run_dir, "straggler", report["straggler_host"], report["straggler_rank"],
-                              {"step": self.step, "excess": report["straggler_excess"],
+                              {"step": step, "excess": report["straggler_excess"],
                                "busy_by_rank": report["busy_by_rank"]})
 
     def _evaluate(self, last: bool) -> float:
         """Validation and lm-eval tasks (``train/evaluations.py``); their batches beat the watchdog."""
-        record = self.evals.run(self.step, last, self.model, self.ctx, self.stepper.precision, self.watchdog)
+        state = self.state
+        step = state.progress.step
+        record = self.evals.run(step, last, state.learner.model, self.ctx, state.learner.stepper.precision,
+                                self.watchdog)
         if "val_loss" in record:
             self.result.val_loss, self.result.val_bpb = record["val_loss"], record["val_bpb"]
-        self.metrics.write({"kind": "eval", "step": self.step, **record, "tokens_seen": self.tokens_seen,
-                            "run_id": self.run_id, "time": time.time()})
-        self.progress.note(f"step {self.step}: {describe(record)}")
+        state.metrics.write({"kind": "eval", "step": step, **record, "tokens_seen": state.progress.tokens_seen,
+                             "run_id": state.run_id, "time": time.time()})
+        self.console.note(f"step {step}: {describe(record)}")
         return record["eval_s"]
-
-    def apply_resume(self, state) -> None:
-        """Apply a restored checkpoint's loop state (start-up and the guard's rollback)."""
-        saving.apply_resume(self, state)
 
     def _stop_for_signal(self) -> TrainResult:
         """Checkpoint this step on every rank (within the grace period), then end the job with
         the requeue status."""
+        state = self.state
         self._stop_watchdog()  # the final write may take longer than a step may
-        saving.save_for_stop(self)
-        self.metrics.write(self.goodput.closing_record(self.step, self.stop_signal.ending))
+        saving.save_for_stop(state)
+        state.metrics.write(state.goodput.closing_record(state.progress.step, state.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
             # torchrun would take our non-zero exit for a crash and restart the workers (with
             # --max-restarts left); a SIGTERM tells its agent to stop this node instead.
             os.kill(os.getppid(), signal.SIGTERM)
-        self.result.exit_code = self.stop_signal.exit_code
-        self.result.step = self.step
+        self.result.exit_code = state.stop_signal.exit_code
+        self.result.step = state.progress.step
         return self.result
 
     def close(self) -> None:
@@ -434,8 +430,8 @@ class Trainer:
             self.profiler.finish()  # a run stopped inside profile.steps keeps the steps it traced
         if self.loader is not None:
             self.loader.close()
-        if self.progress is not None:
-            self.progress.close()
+        if self.console is not None:
+            self.console.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.stop_signal is not None:
@@ -445,3 +441,4 @@ class Trainer:
             self.strategy.release()
         self.stepper_model = None
         self.stepper = None
+        self.state = None  # its learner holds the stepper too

@@ -1,7 +1,8 @@
 """The loop's side of checkpoints: what it saves, when a save's stall is booked, applying a resume.
 
-``Trainer`` (``podtrain.train.loop``) calls these with itself (not imported: the loop imports
-this module), so the loop stays one screen.
+Each function takes the typed training state (``podtrain.train.state``): the whole
+``TrainState`` in the loop, or the few parts that exist during set-up (``restore_guard``,
+``apply_resume``).
 """
 
 from __future__ import annotations
@@ -10,50 +11,55 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from podtrain.ckpt.restore import ResumeState
 from podtrain.ckpt.state import restore_rng
 from podtrain.config import to_dict
+from podtrain.data.loader import ShardedLoader
 from podtrain.errors import UserError
-from podtrain.train.guard import weights_finite
+from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.resume import tokenizer_identity
+from podtrain.train.state import RunProgress, TrainState
 
 log = logging.getLogger("podtrain")
 
 
-def train_state(trainer: Any) -> dict[str, Any]:
+def train_state(state: TrainState) -> dict[str, Any]:
     """What a checkpoint needs beyond weights and optimizer to continue exactly."""
-    return {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "loader": trainer.loader.state_dict(),
-            "run_id": trainer.run_id, "config": to_dict(trainer.cfg),
-            "tokenizer_sha256": trainer.loader.manifest.raw["tokenizer"].get("sha256"),
-            "tokenizer": tokenizer_identity(trainer.loader.manifest.tokenizer),
-            "guard": guard_state(trainer)}
+    loader = state.loader
+    return {"step": state.progress.step, "tokens_seen": state.progress.tokens_seen,
+            "loader": loader.state_dict(), "run_id": state.run_id, "config": to_dict(state.cfg),
+            "tokenizer_sha256": loader.manifest.raw["tokenizer"].get("sha256"),
+            "tokenizer": tokenizer_identity(loader.manifest.tokenizer),
+            "guard": guard_state(state.learner.judge, state.guard)}
 
 
-def guard_state(trainer: Any) -> dict[str, Any] | None:
+def guard_state(judge: StepJudge | None, guard: Guard) -> dict[str, Any] | None:
     """The guard's memory (the judge's recent norms, the window of bad steps): part of the
     checkpoint, so that a resumed run skips exactly the steps the uninterrupted one would."""
-    judge = trainer.stepper.judge
     if judge is None:
         return None
-    return {"judge": judge.state_dict(), "window": trainer.guard.state_dict()}
+    return {"judge": judge.state_dict(), "window": guard.state_dict()}
 
 
-def restore_guard(trainer: Any, state: dict[str, Any] | None) -> None:
+def restore_guard(judge: StepJudge | None, guard: Guard, saved: dict[str, Any] | None) -> None:
     """At start-up, after a resume: the guard's memory as saved (none in older checkpoints)."""
-    if state and trainer.stepper.judge is not None:
-        trainer.stepper.judge.load_state_dict(state.get("judge") or {})
-        trainer.guard.load_state_dict(state.get("window") or {})
+    if saved and judge is not None:
+        judge.load_state_dict(saved.get("judge") or {})
+        guard.load_state_dict(saved.get("window") or {})
 
 
-def due(trainer: Any, total: int) -> str | None:
+def due(state: TrainState, total: int) -> str | None:
     """Which tier this step saves to: "durable" (``ckpt.every``, the last step), "local"
     (``ckpt.local_every``), or None."""
-    if trainer.saves.should_save(trainer.step, total):
+    step = state.progress.step
+    if state.saves.should_save(step, total):
         return "durable"
-    return "local" if trainer.checkpointer.local_due(trainer.step) else None
+    return "local" if state.checkpointer.local_due(step) else None
 
 
-def save(trainer: Any, tier: str = "durable", must: bool = False) -> float | None:
+def save(state: TrainState, tier: str = "durable", must: bool = False) -> float | None:
     """Checkpoint this step (every rank) to ``tier``; returns the step loop's stall in seconds,
     or None when the save was skipped (the previous one still being written: ``ckpt.save_wait_s``).
     ``must``: the last step, which waits for the previous save rather than skip.
@@ -62,21 +68,22 @@ def save(trainer: Any, tier: str = "durable", must: bool = False) -> float | Non
     step after the previous save waited on the device for that save's copies (CUDA events, known
     by now): goodput books it, and ``ckpt.every=auto`` plans with it.
     """
-    if trainer.cfg.guard.enabled and not weights_finite(trainer.model, trainer.ctx):
-        raise UserError(f"the weights are non-finite at step {trainer.step}: not saved (the last "
+    step, learner, checkpointer = state.progress.step, state.learner, state.checkpointer
+    if state.cfg.guard.enabled and not weights_finite(learner.model, state.ctx):
+        raise UserError(f"the weights are non-finite at step {step}: not saved (the last "
                         "checkpoint stays the newest); lower optim.lr")
-    device_wait = trainer.checkpointer.device_stall_s()
+    device_wait = checkpointer.device_stall_s()
     t0 = time.perf_counter()
-    saved = trainer.checkpointer.save(trainer.step, trainer.model, trainer.optimizer, trainer.stepper.scaler,
-                                      train_state(trainer), local=tier == "local", must=must)
+    saved = checkpointer.save(step, learner.model, learner.optimizer, learner.scaler, train_state(state),
+                              local=tier == "local", must=must)
     host = time.perf_counter() - t0
-    stall = trainer.goodput.add("save_stall", host + device_wait)
-    trainer.metrics.write({"kind": "save", "step": trainer.step, "save_s": stall, "tier": tier,
-                           "skipped": not saved, "time": time.time()})
+    stall = state.goodput.add("save_stall", host + device_wait)
+    state.metrics.write({"kind": "save", "step": step, "save_s": stall, "tier": tier,
+                         "skipped": not saved, "time": time.time()})
     if not saved:
         return None
-    if trainer.saves.auto and tier == "durable":  # rank 0's measurements, so that every rank plans the same steps
-        trainer.saves.saved(trainer.step, *trainer.ctx.broadcast_object((stall, trainer.goodput.step_seconds())))
+    if state.saves.auto and tier == "durable":  # rank 0's measurements, so that every rank plans the same steps
+        state.saves.saved(step, *state.ctx.broadcast_object((stall, state.goodput.step_seconds())))
     return host
 
 
@@ -84,48 +91,48 @@ STOP_SAVE_SHARE = 0.8
 """The share of ``ckpt.grace_s`` a stop signal's save may take before it is abandoned."""
 
 
-def save_for_stop(trainer: Any) -> bool:
+def save_for_stop(state: TrainState) -> bool:
     """Every rank, after a stop signal: checkpoint this step within the grace period, whatever
     the storage does (past it the scheduler's SIGKILL would cut the write anyway, so an unfinished
     save is abandoned and nothing of it commits); rank 0 says how it went. True when saved."""
-    cfg = trainer.cfg.ckpt
-    saved = save(trainer) is not None
-    since = trainer.stop_signal.seconds_since_signal() or 0.0
+    cfg, step, stop_signal, checkpointer = state.cfg.ckpt, state.progress.step, state.stop_signal, state.checkpointer
+    saved = save(state) is not None
+    since = stop_signal.seconds_since_signal() or 0.0
     budget = max(1.0, STOP_SAVE_SHARE * cfg.grace_s - since)
-    waited = trainer.checkpointer.wait(timeout=budget,
-                                       abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2 * cfg.grace_s))
-    saved = saved and trainer.checkpointer.last_save.get("step") == trainer.step
-    if trainer.ctx.is_main:  # one line for the job, not one per rank
+    waited = checkpointer.wait(timeout=budget, abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2 * cfg.grace_s))
+    saved = saved and checkpointer.last_save.get("step") == step
+    if state.ctx.is_main:  # one line for the job, not one per rank
         if saved:
-            log.warning("%s", trainer.stop_signal.saved_line(trainer.step, waited, cfg.grace_s))
+            log.warning("%s", stop_signal.saved_line(step, waited, cfg.grace_s))
         else:
             log.warning("stop signal: step %d could not be saved within the grace period (storage slow "
                         "or unreachable); exiting with %d, the run resumes from its newest checkpoint",
-                        trainer.step, trainer.stop_signal.exit_code)
+                        step, stop_signal.exit_code)
     return saved
 
 
-def should_stop(trainer: Any) -> bool:
+def should_stop(state: TrainState) -> bool:
     """At a step boundary, on every rank: a stop signal, or a failed background save, agreed by
     all ranks. A failed save raises its one-line ``SaveFailed`` here, on every rank alike."""
-    stop = trainer.stop_signal.should_stop(trainer.ctx, trainer.checkpointer.failed,
-                                           trainer.checkpointer.lease_lost is not None)
-    if stop and trainer.stop_signal.lease_lost_agreed:
-        trainer.checkpointer.discard()
-        raise UserError(f"another job took over this run at step {trainer.step} ("
-                        f"{trainer.checkpointer.lease_lost or 'see rank 0'}): this job stops without "
+    stop_signal, checkpointer = state.stop_signal, state.checkpointer
+    stop = stop_signal.should_stop(state.ctx, checkpointer.failed, checkpointer.lease_lost is not None)
+    if stop and stop_signal.lease_lost_agreed:
+        checkpointer.discard()
+        raise UserError(f"another job took over this run at step {state.progress.step} ("
+                        f"{checkpointer.lease_lost or 'see rank 0'}): this job stops without "
                         "saving, so that two jobs never write one run")
-    if stop and trainer.stop_signal.save_failed_agreed:
-        trainer.checkpointer.wait()  # raises the failure (every rank's writer learned the same)
+    if stop and stop_signal.save_failed_agreed:
+        checkpointer.wait()  # raises the failure (every rank's writer learned the same)
     return stop
 
 
-def apply_resume(trainer: Any, state: ResumeState) -> None:
-    """Put a restored checkpoint's loop state (step, tokens, data position, RNG) into ``trainer``."""
-    trainer.step, trainer.tokens_seen = state.step, state.tokens_seen
-    if state.loader is not None:  # None: a branch that starts its data anew (ckpt.resume_from_reset)
-        trainer.loader.load_state_dict(state.loader)
-    if state.rng is not None:
-        restore_rng(state.rng, trainer.ctx.device)
-    log.info("resumed from step %d (epoch %d, %d samples consumed)", trainer.step,
-             trainer.loader.epoch, trainer.loader.consumed)
+def apply_resume(resumed: ResumeState, progress: RunProgress, loader: ShardedLoader,
+                 device: torch.device) -> None:
+    """Put a restored checkpoint's loop state into ``progress`` (step, tokens), ``loader`` (the
+    data position) and this process's RNGs."""
+    progress.step, progress.tokens_seen = resumed.step, resumed.tokens_seen
+    if resumed.loader is not None:  # None: a branch that starts its data anew (ckpt.resume_from_reset)
+        loader.load_state_dict(resumed.loader)
+    if resumed.rng is not None:
+        restore_rng(resumed.rng, device)
+    log.info("resumed from step %d (epoch %d, %d samples consumed)", progress.step, loader.epoch, loader.consumed)

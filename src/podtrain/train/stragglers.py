@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from podtrain.distributed.group import DistContext
+from podtrain.distributed.timing import HostStepClock
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +52,8 @@ class StragglerMonitor:
     one, ``observe`` does.
     """
 
-    def __init__(self, ctx: Any, every: int = 100, threshold: float = 0.10, clock: Any = None):
+    def __init__(self, ctx: DistContext, every: int = 100, threshold: float = 0.10,
+                 clock: HostStepClock | None = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.ctx = ctx

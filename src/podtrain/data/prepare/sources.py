@@ -18,7 +18,6 @@ it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import os
 from collections import Counter
@@ -64,8 +63,8 @@ def is_s3(url: str | Path) -> bool:
     return isinstance(url, str) and url.startswith("s3://")
 
 
-@functools.lru_cache(maxsize=64)
 def _store(url: str) -> Any:
+    """The store of an S3 input's folder (its CRT client is the command's: ``shared_s3_clients``)."""
     from podtrain.storage import open_store  # only S3 inputs need it (and its extra)
     return open_store(url)
 
