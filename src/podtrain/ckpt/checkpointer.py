@@ -249,8 +249,8 @@ class Checkpointer(RestoreMixin):
         """Every rank, when a save is due: is the tier's previous one finished on every rank
         (waiting up to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
         or, for a transient storage fault, logged; a storage outage longer than
-        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One small
-        all_gather per round, at save steps only, so every rank decides the same (only rank 0,
+        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One MAX
+        all_reduce of two numbers per round, at save steps only, so every rank decides the same (only rank 0,
         which commits, may see the storage fail while the others wait for it)."""
         job = self._in_flight(local)
         if job is None:
@@ -270,8 +270,8 @@ class Checkpointer(RestoreMixin):
             # never a healthy save that is merely slow.
             since = failing()
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
-            votes = self.ctx.all_gather_object((here, outage_here))
-            done, outage = all(v[0] for v in votes), max(v[1] for v in votes)
+            not_done, outage = self.ctx.all_reduce_max([0.0 if here else 1.0, outage_here])
+            done = not_done == 0.0
             if not local:
                 self._failing_agreed = outage > 0
             if done or not must or outage > self.cfg.max_outage_s:

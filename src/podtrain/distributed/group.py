@@ -138,6 +138,16 @@ class DistContext:
                 pending.track(work)  # so the record says in_flight until the GPU really finished
         return tensor
 
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """The elementwise maximum of ``values`` over the ranks (a few numbers, read on the host:
+        for agreements at rare moments such as a save, not per step). O(1) bytes per rank, where
+        gathering an object per rank would be O(world)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.initialized:
+            with self.recorder.begin("all_reduce", tensor):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank: how a decision made by one rank reaches all."""
         if not self.initialized:

@@ -122,7 +122,10 @@ class S3Clients:
 
     def __del__(self) -> None:
         if getattr(self, "_clients", None):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: modules are being torn down, nothing to join
+                pass
 
     def __getstate__(self) -> dict:
         return {}
