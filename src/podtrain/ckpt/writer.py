@@ -10,7 +10,7 @@ rank in ``__init__``), so they never interleave with the main thread's collectiv
    CRC-32s in the same pass; the file appears only complete (the store's atomic ``open_write``);
    then every rank writes its sidecar (``podtrain.ckpt.sidecar``: its pieces' table, its file's
    size, its RNG states), which only it (or a resume needing its pieces) ever reads;
-3. rank 0 alone gathers each rank's outcome and byte counts (``gather_object``: O(1) per rank,
+3. rank 0 alone gathers each rank's outcome and byte counts (``_gather``: sizes, then bytes point to point; O(1) per rank,
    nothing per rank goes to every rank);
 4. rank 0 writes the small files, then ``manifest.json`` (the commit: O(tensors), one rule per
    tensor, a count and a total of the ranks' files), then ``latest``, applies retention, and
@@ -320,22 +320,26 @@ class CheckpointWriter:
         return self._broadcast(next((e for e in errors if e), None) if self.ctx.is_main else None, job)
 
     def _gather(self, obj: Any, job: SaveJob) -> list[Any]:
-        """Every rank sends ``obj`` to rank 0 alone; rank 0 gets the list (others: [])."""
-        if self.group is None:
-            return [obj]
-        out: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        if out is None:
-            return []
-        job.received_bytes += sum(len(pickle.dumps(o)) for i, o in enumerate(out) if i != self.ctx.rank)
-        return out
+        """Every rank sends ``obj`` to rank 0 alone; rank 0 gets the list (others: []).
 
-    def _all_gather(self, obj: Any) -> list[Any]:
+        Not ``dist.gather_object``: torch's all_gathers every rank's object size to every rank
+        first (8 bytes x world per rank per save). Here the sizes go to rank 0 alone (a tensor
+        gather), then each rank sends its pickled bytes to rank 0 point to point: O(1) per rank."""
         if self.group is None:
             return [obj]
-        out: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = pickle.dumps(obj)
+        world, is_main = self.ctx.world_size, self.ctx.is_main
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)] if is_main else None
+        dist.gather(size, sizes, dst=0, group=self.group)
+        if not is_main:
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=0, group=self.group)
+            return []
+        bufs = {r: torch.empty(int(sizes[r][0]), dtype=torch.uint8) for r in range(1, world)}
+        for req in [dist.irecv(buf, src=r, group=self.group) for r, buf in bufs.items()]:
+            req.wait()
+        job.received_bytes += sum(buf.numel() for buf in bufs.values())
+        return [obj] + [pickle.loads(bufs[r].numpy().tobytes()) for r in range(1, world)]
 
     def _broadcast(self, obj: Any, job: SaveJob | None = None) -> Any:
         if self.group is None:
