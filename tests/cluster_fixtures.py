@@ -61,6 +61,9 @@ SLURM_CONF = """\
 ClusterName=podtrain-test
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
+# Each cluster numbers its jobs from its own start: a job's rendezvous port follows its id
+# (distributed.env.slurm_port), and an earlier cluster's job 1 may still hold port 20001.
+FirstJobId={first_job}
 SlurmdPort={node_ports[0]}
 SlurmUser=root
 SlurmdUser=root
@@ -179,6 +182,7 @@ class SlurmCluster:
             for node, port in zip(self.nodes, ports[1:]))
         self.conf.write_text(SLURM_CONF.format(
             host=socket.gethostname().split(".")[0], root=self.root, ctld_port=ports[0],
+            first_job=1 + ports[0] % 10000,
             node_ports=ports[1:], sock=self.socket_dir, node_lines=node_lines,
             node_names=",".join(self.nodes)))
         (self.root / "plugstack.conf").write_text("")  # no SPANK plugins (pyxis) in tests

@@ -160,6 +160,19 @@ def shared_s3_clients() -> Iterator[S3Clients]:
         clients.close()
 
 
+
+def sharing_s3_clients(fn):
+    """Run ``fn`` inside ``shared_s3_clients()``: for library entry points that open many S3
+    stores (prepare, its tokenizer training, merge), so that a caller outside any scope does not
+    make, and tear down, one CRT client per object."""
+    import functools
+
+    @functools.wraps(fn)
+    def within_scope(*args, **kwargs):
+        with shared_s3_clients():
+            return fn(*args, **kwargs)
+    return within_scope
+
 def get_range(client, bucket: str, key: str, start: int, end: int) -> Iterator[bytes]:
     """The bytes ``[start, end)`` of an object as the chunks the CRT delivers (parallel ranged GETs)."""
     return iter(client._client.get_object(bucket, key, start, end))

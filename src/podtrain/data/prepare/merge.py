@@ -26,6 +26,7 @@ from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty
 from podtrain.data.prepare.shards import PARTS_DIR, SHARD_RE
 from podtrain.errors import UserError
 from podtrain.storage import NotFound, Store, open_store
+from podtrain.storage.s3_client import sharing_s3_clients
 
 # Must agree in every part (the corpus key covers inputs and options; these are checked by name
 # so the refusal can say what differs).
@@ -123,6 +124,7 @@ def merged_manifest(store: Store, manifests: list[dict[str, Any]]) -> dict[str, 
     return merged
 
 
+@sharing_s3_clients
 def merge(out: str | Path) -> dict[str, Any]:
     """Write ``out/manifest.json`` for the parts under ``out/parts`` (a folder or ``s3://``
     prefix); returns the manifest."""

@@ -37,6 +37,7 @@ the tokenizer's identity and files.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -65,6 +66,7 @@ from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread
 from podtrain.data.prepare.sources import Source, is_s3, resolve_corpus
 from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_text
+from podtrain.storage.s3_client import sharing_s3_clients
 
 DEFAULT_VAL_FRACTION = 0.03
 DEFAULT_SHARD_TOKENS = 1 << 26          # 128 MiB per uint16 shard
@@ -180,9 +182,24 @@ def _setup_tokenizer(opts: PrepareOptions, sources: list[Source], hf: tokmod.Loa
     print(f"prepare: training {opts.tokenizer} on up to {opts.bpe_train_bytes / 1e6:.0f} MB of train text",
           file=sys.stderr)
     tasks = (task for task, _ in plan_tasks(sources, opts.chunk_bytes, opts.text_field))
-    tok = tokmod.train_bpe(train_texts(tasks, opts.val_fraction, opts.text_field, opts.errors,
-                                       opts.bpe_train_bytes, val_doc), vocab)
+    texts = train_texts(tasks, opts.val_fraction, opts.text_field, opts.errors, opts.bpe_train_bytes, val_doc)
+    tok = tokmod.train_bpe(in_this_context(texts), vocab)
     return tokmod.hf_setup(tok, {tokmod.TOKENIZER_FILE: tok.tok.to_str().encode("utf-8")})
+
+
+def in_this_context(items: Iterator[Any]) -> Iterator[Any]:
+    """``items``, each drawn inside the caller's context, whichever thread pulls them: the
+    tokenizers library iterates from a thread of its own, which would not see the command's
+    ``shared_s3_clients()`` scope (every S3 object would make, and tear down, a client)."""
+    context = contextvars.copy_context()  # now, in the caller's thread (a generator would copy at its first next)
+
+    def drawn() -> Iterator[Any]:
+        while True:
+            try:
+                yield context.run(next, items)
+            except StopIteration:
+                return
+    return drawn()
 
 
 def _reuse_or_setup(out: Path, key: str, state: dict[str, Any] | None, opts: PrepareOptions,
@@ -285,6 +302,7 @@ def _resolve(opts: PrepareOptions) -> _Corpus:
     return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc), recipe, inputs.skipped_line())
 
 
+@sharing_s3_clients
 def prepare(opts: PrepareOptions) -> PrepareResult:
     """Tokenize ``opts.inputs`` into ``opts.out`` (shards + manifest); see the module docstring.
 
@@ -381,6 +399,7 @@ def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareR
     return result
 
 
+@sharing_s3_clients
 def train_tokenizer(opts: PrepareOptions) -> str:
     """``--train-tokenizer-only``: train a ``bpe:VOCAB`` tokenizer once, before the parts of a
     ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line."""
