@@ -191,6 +191,16 @@ def drop(store, name: str, owners, own_files_too: bool = True) -> None:
         pass
 
 
+def drop_incomplete(store, name: str, owners) -> None:
+    """After a failed replication of step ``name``: remove the replicas held here that did not
+    arrive whole. One whose marker is here is complete (each file is committed atomically, the
+    marker last) and stays: a peer lost while this rank was still sending its own files must not
+    take the copy this rank already holds of the peer's (it is what a replacement restores from)."""
+    partial = [o for o in owners if not store.exists(f"{name}/{replica_dir(o)}/{local_tier.marker(o)}")]
+    if partial:
+        drop(store, name, partial, own_files_too=False)
+
+
 # -- restore -----------------------------------------------------------------------------------------
 def where_held(store, name: str, owner: int) -> str | None:
     """Where in this node's directory rank ``owner``'s committed files of step ``name`` are: the

@@ -137,8 +137,8 @@ class CheckpointWriter:
             self.ring = self._ring()
             if self.ring.targets:  # the same on every rank (_ring): the group is made collectively
                 self.replicator = Replicator(store, self.ring, ctx.rank, ctx.env.hostname, ctx.is_main,
-                                             CKPT_GROUP_TIMEOUT_S, lambda step_name: replicas.drop(
-                                                 store, step_name, self.ring.sources, own_files_too=False))
+                                             CKPT_GROUP_TIMEOUT_S, lambda step_name: replicas.drop_incomplete(
+                                                 store, step_name, self.ring.sources))
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.last_save: dict[str, float] = {}
