@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from podtrain.ckpt import layout, replicas
-from podtrain.distributed.side_group import new_side_group
+from podtrain.distributed.side_group import new_side_group, release_side_group
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -102,11 +102,7 @@ class Replicator:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(self.group)
-            except Exception as exc:  # never mask the error that brought us here
-                log.debug("destroying the replica group failed: %s", exc)
+        release_side_group(self.group, "replica")
         self.group = None
 
     def _loop(self) -> None:

@@ -55,7 +55,7 @@ from podtrain.ckpt.statedict import replica_groups, split_rule
 from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
-from podtrain.distributed.side_group import new_side_group
+from podtrain.distributed.side_group import new_side_group, release_side_group
 from podtrain.errors import UserError
 from podtrain.storage.errors import Transient
 
@@ -178,11 +178,7 @@ class CheckpointWriter:
             self._thread = None
         if self.replicator is not None:
             self.replicator.close()
-        if self.group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(self.group)
-            except Exception as exc:  # never mask the error that brought us here
-                log.debug("destroying the checkpoint group failed: %s", exc)
+        release_side_group(self.group, "checkpoint")
         self.group = None
 
     # -- background thread ---------------------------------------------------------------------

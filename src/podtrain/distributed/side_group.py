@@ -18,6 +18,7 @@ configured it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import threading
 
@@ -41,6 +42,17 @@ def new_side_group(timeout_s: float | None = None):
                 os.environ.pop(LAZY_ENV, None)
             else:
                 os.environ[LAZY_ENV] = before
+
+
+def release_side_group(group, what: str) -> None:
+    """Destroy ``group`` (None: nothing to do); never raises: a close on an error path must not
+    mask the error that brought it there."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:
+        logging.getLogger("podtrain.distributed").debug("destroying the %s group failed: %s", what, exc)
 
 
 def open_sockets() -> int:
