@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 
 TEST_ACCESS_KEY = "AKIAPODTRAINTEST0001"
@@ -50,9 +51,19 @@ class S3Server:
         self.boto.create_bucket(Bucket=name)
         return name
 
-    def incomplete_uploads(self, bucket: str) -> list[str]:
-        """Keys of the multipart uploads started and neither completed nor aborted in ``bucket``."""
-        return [u["Key"] for u in self.boto.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+    def incomplete_uploads(self, bucket: str, settle_s: float = 5.0) -> list[str]:
+        """Keys of the multipart uploads started and neither completed nor aborted in ``bucket``.
+
+        Waits up to ``settle_s`` for the list to empty: dropping a native upload stream cancels the
+        CRT's meta request, and the CRT sends AbortMultipartUpload from its own event loop, usually
+        before the drop returns but, on a loaded machine, a moment after (seen once in CI).
+        """
+        deadline = time.monotonic() + settle_s
+        while True:
+            keys = [u["Key"] for u in self.boto.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+            if not keys or time.monotonic() >= deadline:
+                return keys
+            time.sleep(0.05)
 
     def keys(self, bucket: str) -> list[str]:
         """Every object key in ``bucket``."""
