@@ -42,13 +42,23 @@ def ensure_slurm_installed(timeout: float = 300.0) -> str | None:
     if not shutil.which("apt-get"):
         return "Slurm is not installed and this machine has no apt-get to install it"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    steps = (["apt-get", "update", "-qq"],
-             ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *SLURM_PACKAGES])
+    # A fresh machine may be running its own apt job (apt-daily at boot) for a minute or two: wait
+    # for its lock rather than skip (seen once: "Unable to acquire the dpkg frontend lock").
+    wait_lock = ["-o", f"DPkg::Lock::Timeout={int(timeout)}"]
+    steps = (["apt-get", *wait_lock, "update", "-qq"],
+             ["apt-get", *wait_lock, "install", "-y", "-qq", "--no-install-recommends", *SLURM_PACKAGES])
+    deadline = time.monotonic() + timeout
     for cmd in steps:
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return f"`{' '.join(cmd)}` took longer than {timeout:.0f}s"
+        while True:
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                      timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return f"`{' '.join(cmd)}` took longer than {timeout:.0f}s"
+            held = "lock" in (proc.stderr or "") and proc.returncode != 0  # apt's own lock wait ran out, or an older apt
+            if not held or time.monotonic() > deadline:
+                break
+            time.sleep(2.0)
         if proc.returncode != 0:
             last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             return f"`{' '.join(cmd)}` failed: {last[0]}"

@@ -154,6 +154,45 @@ def test_every_host_moved_each_rank_sends_and_receives_at_once(tmp_path):
         assert all(torch.equal(weights[k], saved[5][k]) for k in saved[5])
 
 
+def _paused(rank, world, base):
+    """Rank 0 holds its replicator back (two ``pause`` calls, as two overlapping saves would) while
+    a local save of step 2 commits on both ranks: nothing of step 2 is copied until both resume."""
+    import time
+
+    net, opt = _model()
+    ck = Checkpointer(Path(base) / "run", _cfg(base, rank), _node_ctx(rank))
+    replicator = ck._local_writer.replicator
+    _train(net, opt, 1)
+    ck.save(1, net, opt, None, {"step": 1}, local=True)
+    ck.wait()
+    seen = []
+    if rank == 0:
+        replicator.pause()
+        replicator.pause()
+    _train(net, opt, 2)
+    ck.save(2, net, opt, None, {"step": 2}, local=True)  # its own pause/resume pair: still held
+    ck._settle(True, True)  # step 2 committed on every rank (not ck.wait: that waits for the replicas)
+    held = Path(base) / f"node{1 - rank}"
+    copy2 = f"*/step_000002/replica_of_rank_{rank:05d}/rank_{rank:05d}.json"
+    for release in (True, True, False):
+        time.sleep(0.5)
+        seen.append((replicator.replicated, bool(list(held.glob(copy2)))))
+        if rank == 0 and release:
+            replicator.resume()
+    ck.wait()
+    seen.append((replicator.replicated, bool(list(held.glob(copy2)))))
+    ck.close()
+    return seen
+
+
+def test_replicas_wait_for_every_pause_to_be_resumed(tmp_path):
+    seen = run_ranks(_paused, 2, str(tmp_path))
+    # step 1 replicated before the pause; step 2 held back while rank 0 had a pause outstanding
+    # (after one resume still one); copied once both were resumed
+    assert seen[0][:2] == [(1, False), (1, False)] and seen[1][:2] == [(1, False), (1, False)]
+    assert seen[0][3] == (2, True) and seen[1][3] == (2, True)
+
+
 def test_ring_placement_and_source_plan():
     assert replicas.Ring.of(0, 4, 1, 8, 1) == replicas.Ring((9,), (25,))
     assert replicas.Ring.of(3, 4, 0, 2, 2) == replicas.Ring((0, 2), (4, 2))

@@ -223,7 +223,20 @@ class Checkpointer(RestoreMixin):
             return False
         waited = time.perf_counter() - t0
         t0 = time.perf_counter()
-        job = self._snapshot(step, model, optimizer, scaler, train_state, local)
+        replicator = self._local_writer.replicator if self._local_writer is not None else None
+        if replicator is not None:  # the peer replicas' copies give the host copy the host
+            replicator.pause()
+        try:
+            job = self._snapshot(step, model, optimizer, scaler, train_state, local)
+        except BaseException:
+            if replicator is not None:
+                replicator.resume()
+            raise
+        if replicator is not None:  # a local save holds them back until written, a durable one no longer
+            if local:
+                job.resume_replicas = replicator.resume
+            else:
+                replicator.resume()
         if local:
             self._pending_local = job
         else:

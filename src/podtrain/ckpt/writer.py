@@ -108,6 +108,9 @@ class SaveJob:
     nbytes: int = 0
     received_bytes: int = 0
     """Pickled bytes this rank received in the save's object collectives."""
+    resume_replicas: Callable[[], None] | None = None
+    """Called when the write ends: the peer replicas' copies paused for this save (from its host
+    copy on) go on (``Replicator.pause``)."""
 
 
 class CheckpointWriter:
@@ -185,15 +188,13 @@ class CheckpointWriter:
     def _worker(self) -> None:
         while (job := self._queue.get()) is not None:
             t0 = time.perf_counter()
-            if self.replicator is not None:  # the replicas' copies give way to this save
-                self.replicator.writer_idle.clear()
             try:
                 self._write(job)
             except BaseException as exc:  # surfaced to the step loop by Checkpointer.failed/wait
                 job.error = exc
             finally:
-                if self.replicator is not None:
-                    self.replicator.writer_idle.set()
+                if job.resume_replicas is not None:  # the replicas' copies gave way to this save
+                    job.resume_replicas()
             job.write_s = time.perf_counter() - t0
             if job.error is None:
                 self.last_save = {"step": job.step, "stall_s": job.stall_s, "write_s": job.write_s,
