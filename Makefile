@@ -20,10 +20,12 @@ TORCH_STAMP := $(VENV)/.torch-$(TORCH_HASH)
 STAMP := $(VENV)/.installed-$(TORCH_HASH)
 DEMO_STAMP := $(VENV)/.demo-$(TORCH_HASH)
 
-# Test workers: one per usable core (a container's or taskset's share), at most 8 (each worker's
-# trainings start 2-4 ranks of their own). --dist loadgroup keeps the tests that share a trained run,
-# and the Slurm and network-namespace tests, on one worker each (tests/conftest.py).
-TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0))))' 2>/dev/null || echo 2)
+# Test workers: one per usable core (a container's or taskset's share) and one more, at most 8.
+# One more because the end-to-end tests spend much of their time waiting (a 35 s slow save, a
+# stalled rank, a rendezvous, Slurm's scheduling): measured on 2 cores, 3 workers kept 1.7 cores busy
+# and ran the suite in 505 s where 2 workers took ~600 s. --dist loadgroup keeps the tests that
+# share a trained run, and the Slurm and network-namespace tests, on one worker each (tests/conftest.py).
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 1))' 2>/dev/null || echo 3)
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install install-demo demo test check bench clean

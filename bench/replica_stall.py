@@ -3,10 +3,13 @@
 without replicas (K=0, the local tier alone) and with them (K=1, the default), side by side.
 
     .venv/bin/python bench/replica_stall.py [--preset mid] [--steps 12] [--rounds 2] [--step-s 0.3]
+                                            [--local-every 1,4] [--dir /dev/shm]
 
 Each configuration runs the same loop: a simulated training step (``--step-s`` seconds: a wait,
-as a GPU step is for the host's cores; ``--step-kind cpu``: matmuls on them), then ``Checkpointer.save(local=True)`` (podtrain's defaults otherwise; ``local_every``
-is 1, the most demanding cadence). Printed per configuration: the median and p90 time the step
+as a GPU step is for the host's cores; ``--step-kind cpu``: matmuls on them), then, every ``--local-every`` steps, ``Checkpointer.save(local=True)`` (podtrain's defaults
+otherwise). Each cadence is measured: 1 (a local save at every step, the most demanding: here the
+copies never catch up and share the one disk with every save) and 4 (the copies finish between
+saves). Printed per configuration: the median and p90 time the step
 loop spent in ``save`` (its stall: host copy plus any wait for the previous save), the loop's
 total time, and how many local steps were replicated. The verdict line compares K=1 with K=0:
 target median stall ratio <= 1.25 (the noise of this shared machine) — replicas must cost the
@@ -35,8 +38,9 @@ from podtrain.config_sections import CkptSection  # noqa: E402
 from podtrain.model import build_model, preset_config  # noqa: E402
 
 
-def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float, step_kind: str):
-    """One rank = one node: train-like steps, a local save after each; its stalls and totals."""
+def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float, step_kind: str,
+          every: int):
+    """One rank = one node: train-like steps, a local save every ``every``; its stalls and totals."""
     os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     ctx = gloo_context()
     model = build_model(preset_config(preset), seed=0)
@@ -49,7 +53,7 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
     for _ in range(10):
         torch.tanh(x @ w)
     per_op = (time.perf_counter() - t0) / 10
-    cfg = CkptSection(local_dir=f"{base}/node{rank}", local_every=1, local_replicas=k)
+    cfg = CkptSection(local_dir=f"{base}/node{rank}", local_every=every, local_replicas=k)
     ck = Checkpointer(Path(base) / "run", cfg, ctx)
     waits: list[float] = []
     settle = ck._settle
@@ -70,6 +74,8 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
         else:
             for _ in range(max(1, int(step_s / per_op))):
                 x = torch.tanh(x @ w)
+        if step % every:
+            continue
         t0 = time.perf_counter()
         ck.save(step, model, opt, None, {**state, "step": step}, local=True)
         stalls.append(time.perf_counter() - t0)
@@ -78,6 +84,36 @@ def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, ste
     replicator = ck._local_writer.replicator  # None without replicas
     replicated = replicator.replicated if replicator is not None else 0
     return stalls[1:], loop_s, replicated, waits[1:]  # the first save allocates the host buffers
+
+
+def _cadence(args, every: int) -> str:
+    """K=0 and K=1 side by side at one local-save cadence; its verdict line."""
+    steps = args.steps * every  # the same number of saves at every cadence
+    results: dict[int, list] = {0: [], 1: []}
+    for r in range(args.rounds):
+        for k in (0, 1):  # interleaved: the machine's load drifts
+            base = tempfile.mkdtemp(prefix="podtrain-replica-bench-", dir=args.dir)
+            try:
+                out = run_ranks(_loop, 2, base, k, args.preset, steps, args.step_s, args.step_kind, every,
+                                timeout=1800)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            stalls = [s for rank_stalls, *_ in out for s in rank_stalls]
+            waits = [w for *_, rank_waits in out for w in rank_waits]
+            results[k].append((stalls, max(o[1] for o in out), min(o[2] for o in out)))
+            print(f"local_every={every} round {r + 1} K={k}: median stall {statistics.median(stalls) * 1e3:.0f} ms, "
+                  f"of which waiting for the previous save {statistics.median(waits) * 1e3:.0f} ms, "
+                  f"loop {results[k][-1][1]:.1f} s, {results[k][-1][2]} of {args.steps} local steps replicated")
+    summary = {}
+    for k, runs in results.items():
+        stalls = sorted(s for run in runs for s in run[0])
+        summary[k] = (statistics.median(stalls), stalls[int(0.9 * (len(stalls) - 1))],
+                      statistics.mean(run[1] for run in runs))
+        print(f"local_every={every} K={k}: stall median {summary[k][0] * 1e3:6.0f} ms  p90 "
+              f"{summary[k][1] * 1e3:6.0f} ms  loop {summary[k][2]:6.1f} s  ({args.steps} local saves, 2 nodes)")
+    ratio = summary[1][0] / summary[0][0]
+    return (f"local_every={every}: peer replicas / local save alone, median stall: {ratio:.2f} (target <= 1.25) "
+            f"{'PASS' if ratio <= 1.25 else 'FAIL'}; loop time ratio {summary[1][2] / summary[0][2]:.2f}")
 
 
 def _mid_config() -> str:
@@ -102,34 +138,17 @@ def main() -> int:
     ap.add_argument("--step-kind", choices=("device", "cpu"), default="device",
                     help="device: the step is a wait, as a GPU step is for the host (default); cpu: "
                          "matmuls on the host's cores, which the copies then compete for")
+    ap.add_argument("--local-every", default="1,4",
+                    help="local-save cadences to measure, comma-separated (each with --steps saves)")
     ap.add_argument("--dir", default=None, help="where the local directories go (default: temp)")
     args = ap.parse_args()
     if args.preset == "mid":
         args.preset = _mid_config()
-    results: dict[int, list] = {0: [], 1: []}
-    for r in range(args.rounds):
-        for k in (0, 1):  # interleaved: the machine's load drifts
-            base = tempfile.mkdtemp(prefix="podtrain-replica-bench-", dir=args.dir)
-            try:
-                out = run_ranks(_loop, 2, base, k, args.preset, args.steps, args.step_s, args.step_kind, timeout=1800)
-            finally:
-                shutil.rmtree(base, ignore_errors=True)
-            stalls = [s for rank_stalls, *_ in out for s in rank_stalls]
-            waits = [w for *_, rank_waits in out for w in rank_waits]
-            results[k].append((stalls, max(o[1] for o in out), min(o[2] for o in out)))
-            print(f"round {r + 1} K={k}: median stall {statistics.median(stalls) * 1e3:.0f} ms, "
-                  f"of which waiting for the previous save {statistics.median(waits) * 1e3:.0f} ms, "
-                  f"loop {results[k][-1][1]:.1f} s, {results[k][-1][2]} of {args.steps} local steps replicated")
-    summary = {}
-    for k, runs in results.items():
-        stalls = sorted(s for run in runs for s in run[0])
-        summary[k] = (statistics.median(stalls), stalls[int(0.9 * (len(stalls) - 1))],
-                      statistics.mean(run[1] for run in runs))
-        print(f"K={k}: stall median {summary[k][0] * 1e3:6.0f} ms  p90 {summary[k][1] * 1e3:6.0f} ms  "
-              f"loop {summary[k][2]:6.1f} s  ({args.preset}, {args.steps} local saves, 2 nodes)")
-    ratio = summary[1][0] / summary[0][0]
-    print(f"peer replicas / local save alone, median stall: {ratio:.2f} (target <= 1.25) "
-          f"{'PASS' if ratio <= 1.25 else 'FAIL'}; loop time ratio {summary[1][2] / summary[0][2]:.2f}")
+    verdicts = []
+    for every in (int(e) for e in args.local_every.split(",")):
+        verdicts.append(_cadence(args, every))
+    for line in verdicts:
+        print(line)
     return 0
 
 

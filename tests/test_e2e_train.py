@@ -18,7 +18,7 @@ def builtin_data(builtin_corpus):
     return builtin_corpus
 
 
-def _check_mfu(train, data_dir, seq_len, world):
+def _check_mfu(train, data_dir, seq_len, world, peak_here):
     """MFU is tokens/s x FLOPs per token / ranks / one CPU matmul peak, and below 1."""
     from podtrain.data.manifest import read_manifest
     from podtrain.model import build_model, model_size, preset_config, round_up
@@ -31,14 +31,19 @@ def _check_mfu(train, data_dir, seq_len, world):
     peaks = [r["tokens_per_s"] * flops_per_token / world / r["mfu"] for r in train]
     assert max(peaks) == pytest.approx(min(peaks), rel=1e-6), peaks
     # Each rank ran one thread, like this process: the peak it measured is this CPU's one-thread
-    # fp32 matmul rate (the best of many short trials, so little moved by a shared machine's
-    # load). The bounds still fail a rate off by the world size (2x) or a wrong FLOP count.
-    assert 0.6 < peaks[0] / measure_cpu_matmul_flops() < 1.6, peaks[0]
+    # fp32 matmul rate (the best of many short trials). Here the best of a measurement before the
+    # run and one after it (a busy machine slowed one of them to half: a parallel suite's other
+    # workers). The bounds still fail a rate off by the world size (2x) or a wrong FLOP count.
+    peak_here = max(peak_here, measure_cpu_matmul_flops())
+    assert 0.6 < peaks[0] / peak_here < 1.6, (peaks[0], peak_here)
     assert all(0 < r["mfu"] < 1.0 for r in train)  # no training step beats the best matmul
 
 
 def test_launch_local_two_ranks_trains(repo, tmp_path, builtin_data):
+    from podtrain.observe.hardware import measure_cpu_matmul_flops
+
     run_dir = tmp_path / "run"
+    peak_before = measure_cpu_matmul_flops()
     proc = subprocess.run(
         [sys.executable, "-m", "podtrain.cli", "launch", "local", str(repo / "configs/demo.yaml"),
          "--nproc", "2", f"data.path={builtin_data}", f"run.dir={run_dir}", "data.seq_len=64",
@@ -53,7 +58,7 @@ def test_launch_local_two_ranks_trains(repo, tmp_path, builtin_data):
     assert [r["step"] for r in train] == list(range(2, 17, 2))
     assert all(FIELDS <= r.keys() for r in train)
     assert all(r["world_size"] == 2 and r["tokens_per_s"] > 0 and r["max_mem_bytes"] > 0 for r in train)
-    _check_mfu(train, builtin_data, seq_len=64, world=2)
+    _check_mfu(train, builtin_data, seq_len=64, world=2, peak_here=peak_before)
     assert train[-1]["loss"] < train[0]["loss"] - 0.5  # byte-level loss falls from ~ln(320)
     assert [r["step"] for r in evals] == [8, 16] and evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert (run_dir / "config.yaml").is_file()

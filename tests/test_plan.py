@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from multirank import run_ranks
+
 from podtrain.cli import main
 from podtrain.config import dump_config, load_config
 from podtrain.launch.instances import INSTANCE_TYPES
@@ -193,30 +195,35 @@ def test_plan_json_chooses_fsdp_when_ddp_cannot_fit(repo, capsys):
     assert code == 0 and json.loads(out.out)["strategy"] == "fsdp" and json.loads(out.out)["note"] is None
 
 
-def _slowed_run(repo, tmp_path, data, fault):
-    from fault_plugin.podtrain_faults import fault_env  # tests/ is on sys.path (conftest)
+def _train_rank(rank, world, config, overrides):
+    from podtrain.config import load_config
+    from podtrain.train.loop import train
 
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "podtrain.cli", "launch", "local", str(repo / "configs/demo.yaml"),
-         "--nproc", "2", f"data.path={data}", f"run.dir={run_dir}", "data.seq_len=64",
-         "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=8", "log.every=4",
-         "monitor.straggler_every=4", "eval.every=0", "ckpt.every=0", "log.progress=off",
-         "data.verify=false"],
-        capture_output=True, text=True, timeout=240, cwd=repo, env=fault_env(fault))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return train(load_config(config, overrides)).step
+
+
+def _slowed_run(repo, tmp_path, data, fault, monkeypatch):
+    """An 8-step 2-rank run with ``fault`` (real ranks: forked processes over gloo running the
+    training loop, the fault patched in before they fork), then its report."""
+    from fault_plugin.podtrain_faults import install  # tests/ is on sys.path (conftest)
     from podtrain.plan.report import build_report
 
+    install(fault, patch=monkeypatch.setattr)
+    run_dir = tmp_path / "run"
+    overrides = [f"data.path={data}", f"run.dir={run_dir}", "data.seq_len=64", "train.micro_batch_size=4",
+                 "train.global_batch_size=8", "train.steps=8", "log.every=4", "monitor.straggler_every=4",
+                 "eval.every=0", "ckpt.every=0", "log.progress=off", "log.trackers=none", "data.verify=false"]
+    assert run_ranks(_train_rank, 2, str(repo / "configs/demo.yaml"), overrides, timeout=240) == [8, 8]
     return build_report(run_dir)
 
 
-@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, furthest", [
     ("slow-loader:seconds=0.4", "data wait"),
     ("slow-step:rank=1,seconds=0.4", "sync wait"),
 ])
-def test_report_names_what_was_slowed(repo, tmp_path, builtin_corpus, fault, furthest):
-    report = _slowed_run(repo, tmp_path, builtin_corpus, fault)
+def test_report_names_what_was_slowed(repo, tmp_path, builtin_corpus, fault, furthest, monkeypatch):
+    report = _slowed_run(repo, tmp_path, builtin_corpus, fault, monkeypatch)
     assert report["furthest"] == furthest, report
     if furthest == "sync wait":  # rank 0 waits; the straggler fields name the slow rank
         assert report["straggler"]["rank"] == 1 and "slow rank 1" in report["verdict"]

@@ -146,6 +146,8 @@ def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
             if writer.tell() == incoming[index][1]:
                 writer.commit()
                 writer = None
+            else:  # to the disk chunk by chunk: a replica file does not pile up as dirty pages in
+                writer.sync()  # the node's shared host memory, for the next local save's fsync to flush
         except Exception as exc:  # no space: receive the rest, commit nothing more
             failure, writing = failure or exc, False
             if writer is not None:

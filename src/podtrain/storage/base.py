@@ -55,6 +55,11 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Discard everything written; nothing becomes visible. Safe to call twice or after commit (no-op)."""
 
+    def sync(self) -> None:
+        """Push what was written so far to the device, still invisible (POSIX: fdatasync of the
+        temporary file; elsewhere nothing): a long background write that calls it as it goes
+        leaves little dirty data for another writer's fsync to wait for."""
+
     def __enter__(self) -> "Writer":
         return self
 

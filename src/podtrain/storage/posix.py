@@ -67,6 +67,17 @@ class PosixWriter(Writer):
         """Bytes written so far."""
         return self._written
 
+    def sync(self) -> None:
+        """fdatasync what was written so far (the file stays hidden until ``commit``)."""
+        if self._fh is None:
+            return
+        try:
+            self._fh.flush()
+            os.fdatasync(self._fh.fileno())
+        except OSError as exc:
+            self.abort()
+            raise from_os_error(self._url, exc) from None
+
     def commit(self) -> None:
         """fsync, rename over the target, fsync the directory: the file is now visible and durable."""
         if self._fh is None:
