@@ -2,9 +2,6 @@
 peak table, the command's one-line errors, and the report on runs slowed on purpose."""
 
 import json
-import re
-import subprocess
-import sys
 
 import pytest
 
