@@ -92,6 +92,24 @@ def pytest_collection_modifyitems(session, config, items):
         start_hyperpod_resolution()
 
 
+def pytest_collection_finish(session):
+    """On an xdist worker under --dist loadgroup: every grouped test carries its group in its node
+    id (what the scheduler reads), or the suite stops here: silently ungrouped, the Slurm tests would
+    run at once and every worker would train the shared runs again (pytest 9.2 with pytest-xdist
+    3.8: pytest-dev/pytest-xdist#1386)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        import xdist
+
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {lost[0]} (and {len(lost) - 1} more): pytest {pytest.__version__} "
+            f"with pytest-xdist {xdist.__version__} (pytest-dev/pytest-xdist#1386); install the test extra "
+            "(`make install`), which pins a pytest that works")
+
+
 # -- work that waits on the network, started when the session starts -----------------------------
 # Resolving a HyperPod image (pip against the real index) spends ~30 s waiting on the network and
 # little CPU: started in the background as soon as the test that checks it is collected, it overlaps

@@ -33,12 +33,12 @@ LOCAL_TIER = ("ckpt.local_dir=${PEERS_NODE_DIR}", "ckpt.local_every=1", "ckpt.lo
 
 
 def agent(repo: Path, run_dir: Path, data: Path, port: int, addr: str, node_dir: Path,
-          fault: str | None = None, ckpt_args: tuple[str, ...] = LOCAL_TIER) -> subprocess.Popen:
-    """One node's torchrun agent (its own session: killing the node kills the agent and its rank)."""
+          fault: str | None = None, ckpt_args: tuple[str, ...] = LOCAL_TIER, nnodes: int = 2) -> subprocess.Popen:
+    """One node's torchrun agent of ``nnodes`` (its own session: killing the node kills the agent and its rank)."""
     node_dir.mkdir(parents=True, exist_ok=True)
     env = {**(fault_env(fault) if fault else os.environ), "PEERS_NODE_DIR": str(node_dir),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodeloss",
            "--rdzv-conf", "join_timeout=60", "--max-restarts", "1", "--local-addr", addr,
            "-m", "podtrain.cli", "train", str(repo / "configs/demo.yaml"), f"run.dir={run_dir}",
