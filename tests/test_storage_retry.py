@@ -231,8 +231,9 @@ def test_a_missing_bucket_is_not_retried(s3_proxy):
         t0 = time.monotonic()
         with pytest.raises(NoSuchBucket) as err:
             op()
-        assert time.monotonic() - t0 < 1.0 and err.value.exit_code == 2
-    assert s3_proxy.stats()["failed"] == 0 and s3_proxy.stats()["requests"] <= 6
+        # retried, it would run to the 60 s budget; one request takes ~0.1 s (1.06 s seen under load)
+        assert time.monotonic() - t0 < 5.0 and err.value.exit_code == 2
+    assert s3_proxy.stats()["failed"] == 0 and s3_proxy.stats()["requests"] <= 6  # no retry: 1-2 per op
 
 
 def test_posix_failures_of_a_network_file_system_are_transient_and_a_full_disk_is_not():
