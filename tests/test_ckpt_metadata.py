@@ -138,6 +138,7 @@ def _shared_bytes(folder: Path) -> int:
     return sum((folder / f).stat().st_size for f in (layout.MANIFEST, layout.STATE_JSON))
 
 
+@pytest.mark.slow
 def test_shared_metadata_and_collective_bytes_do_not_grow_from_2_to_4_fsdp_ranks(tmp_path):
     shared, received, counted = {}, {}, {}
     for world in (2, 4):
@@ -169,6 +170,7 @@ def _tensor_bytes(manifest: dict) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_hsdp_2x2_every_replica_group_writes_part_and_each_rank_reads_only_its_share(tmp_path):
     saved = run_ranks(_save_rank, 4, str(tmp_path), "hsdp", 2, timeout=120)
     folder = tmp_path / "ckpt" / layout.step_name(STEP)
@@ -230,6 +232,7 @@ def _to_format_2(folder: Path) -> None:
     (folder / layout.MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_a_format_2_checkpoint_still_resumes_exactly_with_its_rng_states(tmp_path):
     saved = run_ranks(_save_rank, 2, str(tmp_path / "new"), "fsdp", None, timeout=120)
     new = tmp_path / "new" / "ckpt" / layout.step_name(STEP)

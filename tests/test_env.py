@@ -109,6 +109,7 @@ def _side_group_sockets(rank, world):
     return cost(lambda: dist.new_group(backend="gloo")), cost(new_side_group)
 
 
+@pytest.mark.slow
 def test_side_groups_connect_lazily_so_ranks_other_than_0_hold_a_few_sockets_not_one_per_peer():
     """Real gloo groups over 12 forked ranks: an eager group costs every rank one socket per peer;
     a side group costs rank 0 one per peer and every other rank at most ``side_peers``."""

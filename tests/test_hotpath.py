@@ -114,6 +114,7 @@ def _queued_but_unfinished(rank, world, debug_dir):
     return fired, (elapsed, done_after)
 
 
+@pytest.mark.slow
 def test_watchdog_fires_on_a_queued_collective_that_never_finishes(tmp_path):
     (fired, (elapsed, done_after)), _ = run_ranks(_queued_but_unfinished, 2, str(tmp_path))
     assert fired == [HANG_EXIT_CODE]

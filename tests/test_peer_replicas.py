@@ -185,6 +185,7 @@ def _paused(rank, world, base):
     return seen
 
 
+@pytest.mark.slow
 def test_replicas_wait_for_every_pause_to_be_resumed(tmp_path):
     seen = run_ranks(_paused, 2, str(tmp_path))
     # step 1 replicated before the pause; step 2 held back while rank 0 had a pause outstanding

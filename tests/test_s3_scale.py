@@ -7,12 +7,15 @@ makes no CRT client before the ranks fork."""
 
 from __future__ import annotations
 
+import pytest
+
 from multirank import gloo_context
 from s3_fault_proxy import s3_proxy  # noqa: F401 (fixture)
 from s3_requests import request_verbs, startup_requests, upload_dir
 from synthetic_data import make_data_dir
 
 
+@pytest.mark.slow
 def test_a_start_lists_each_s3_prefix_once_at_1_and_at_4_ranks(tmp_path, s3_server, s3_bucket):
     """A two-source mix with train and val splits and data.verify: rank 0 lists each prefix once
     and reads each manifest once, whatever the world size; the other ranks send no metadata
@@ -69,6 +72,7 @@ def _save_requests(ck, proxy, model, opt, step: int) -> dict[str, int]:
     return request_verbs(history)
 
 
+@pytest.mark.slow
 def test_saves_retention_and_resume_on_s3_send_no_request_per_step_directory(tmp_path, s3_proxy, s3_bucket):
     """Saves with every checkpoint kept: each save's requests do not grow with the step
     directories already there (main: a HEAD and a manifest read per directory, each save). Then a

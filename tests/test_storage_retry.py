@@ -104,6 +104,7 @@ def test_a_piece_upload_goes_through_with_a_third_of_requests_failing(s3_proxy, 
     assert body(s3_server, s3_bucket, "ckpt/step_2/rank_0.bin") == data
 
 
+@pytest.mark.slow
 def test_paged_lists_and_ranged_gets_go_through_with_a_third_of_requests_failing(
         s3_proxy, s3_server, s3_bucket, monkeypatch):
     """Every LIST page is retried on its own (a failed page is asked again from its continuation
@@ -144,6 +145,7 @@ def test_every_kind_of_transient_failure_is_retried(s3_proxy, s3_bucket, status,
 
 
 # -- spent, abandoned, or not retried at all -----------------------------------------------------
+@pytest.mark.slow
 def test_an_outage_longer_than_the_budget_raises_transient_203_and_commits_nothing(s3_proxy, s3_server, s3_bucket):
     store = open_store(f"s3://{s3_bucket}/ckpt", fast(budget_s=1.0))
     store.write_bytes("old", b"kept")

@@ -8,6 +8,8 @@ import multiprocessing as mp
 import os
 import time
 
+import pytest
+
 from multirank import free_port
 from podtrain.distributed.recorder import CollectiveRecorder
 from podtrain.distributed.watchdog import HANG_EXIT_CODE, Watchdog
@@ -121,6 +123,7 @@ def _hang_rank(rank, world, port, debug_dir):
         os._exit(code)
 
 
+@pytest.mark.slow
 def test_skipped_collective_ends_every_rank_with_dumps(tmp_path):
     ctx = mp.get_context("fork")
     port = free_port()
