@@ -148,8 +148,6 @@ def peer_stream_gbps() -> float:
 def paper_70b(rows: list[dict], stream_gbps: float) -> list[str]:
     """llama-3-70B on 64 p5.48xlarge after one node loss, on paper: the measured per-stream peer
     rate, the planner's step time, and the assumptions above."""
-    import json as _json
-
     from scale_ckpt import LLAMA_70B
 
     from podtrain.config import load_config
@@ -159,7 +157,7 @@ def paper_70b(rows: list[dict], stream_gbps: float) -> list[str]:
 
     peer = max((r for r in rows if r["mb_peers"] > 0), key=lambda r: r["nodes"], default=rows[-1])
     config = Path(tempfile.mkdtemp(prefix="podtrain-70b-")) / "config.json"
-    config.write_text(_json.dumps({"model_type": "llama", "max_position_embeddings": 8192, **LLAMA_70B}))
+    config.write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192, **LLAMA_70B}))
     cfg = load_config(str(REPO / "configs/demo.yaml"), [
         f"model.preset={config}", "data.seq_len=8192", "dist.strategy=fsdp", "train.activation_checkpointing=full",
         "train.micro_batch_size=1", "train.global_batch_size=1024", "data.path=/nonexistent", "eval.every=0"])

@@ -223,28 +223,27 @@ class Checkpointer(RestoreMixin):
             return False
         waited = time.perf_counter() - t0
         t0 = time.perf_counter()
+        # The peer replicas' copies give the host copy the host; a local save then hands its hold
+        # to the writer, which resumes them when the write ends (a durable one resumes them here).
         replicator = self._local_writer.replicator if self._local_writer is not None else None
-        if replicator is not None:  # the peer replicas' copies give the host copy the host
+        handed_over = False
+        if replicator is not None:
             replicator.pause()
         try:
             job = self._snapshot(step, model, optimizer, scaler, train_state, local)
-        except BaseException:
-            if replicator is not None:
-                replicator.resume()
-            raise
-        if replicator is not None:  # a local save holds them back until written, a durable one no longer
             if local:
-                job.resume_replicas = replicator.resume
+                self._pending_local = job
+                if replicator is not None:
+                    job.resume_replicas, handed_over = replicator.resume, True
             else:
+                self._last_step = step
+                self._pending = job
+            (self._local_writer if local else self._writer).submit(job)  # first: the writer drains slabs while the copies fill them
+            if job.stream is not None:
+                job.stream.produce(self.ctx.device, self._fence)
+        finally:
+            if replicator is not None and not handed_over:
                 replicator.resume()
-        if local:
-            self._pending_local = job
-        else:
-            self._last_step = step
-            self._pending = job
-        (self._local_writer if local else self._writer).submit(job)  # first: the writer drains slabs while the copies fill them
-        if job.stream is not None:
-            job.stream.produce(self.ctx.device, self._fence)
         self._fence.hold_optimizer(optimizer)  # GPU: the next optimizer step waits on the copies
         job.stall_s = time.perf_counter() - t0
         log.info("checkpoint step %d: step loop stalled %.3f s (host copy)%s, writing in the %s",

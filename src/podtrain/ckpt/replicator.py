@@ -113,6 +113,8 @@ class Replicator:
         (every rank, after its local writer's thread has finished: no commit comes later)."""
         with self._cond:
             self._closing = True
+            self._holds = 0  # no save comes after close: a hold never resumed must not keep the copies waiting
+            self._go.set()
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()

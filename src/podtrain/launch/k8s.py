@@ -45,6 +45,7 @@ from podtrain.launch import schemas
 from podtrain.launch.instances import efa_share, pod_resources
 from podtrain.launch.jobspec import (JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label,
                                      mix_with_paths)
+from podtrain.launch.k8s_names import check_names, service_account
 from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
                                      validate_pod_template, validate_pytorchjob)
 from podtrain.launch.shell import Var, check, line
@@ -324,41 +325,6 @@ def device_tolerations(gpus: int, efa: int) -> list[dict[str, str]]:
     pod never schedules on nodes tainted for their GPUs."""
     keys = [DEVICE_TAINTS["gpu"]] * bool(gpus) + [DEVICE_TAINTS["efa"]] * bool(efa)
     return [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in keys]
-
-
-_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE])?$")
-"""A memory quantity as Kubernetes parses one (``32Gi``, ``500M``), without signs or exponents."""
-
-
-def k8s_name(name: str, flag: str, label: bool = False) -> str:
-    """``name`` checked as Kubernetes checks an object's name: a DNS subdomain (at most 253
-    characters; claims, service accounts) or, with ``label``, a DNS label (at most 63, no '.';
-    namespaces). A name it refuses is one line here, not a failed ``kubectl apply``."""
-    pattern, limit, chars = (_LABEL, 63, "'-'") if label else (_SUBDOMAIN, 253, "'-' and '.'")
-    if len(name) > limit or not pattern.match(name):
-        raise UserError(f"{flag} {name!r} is not a valid Kubernetes name (lower case letters, digits, "
-                        f"{chars}, starting and ending with a letter or digit, at most {limit} characters)")
-    return name
-
-
-def service_account(name: str) -> str:
-    """``--service-account NAME`` checked as Kubernetes checks it (``k8s_name``): the pods get AWS
-    credentials from it through IRSA or EKS Pod Identity."""
-    return k8s_name(name, "--service-account")
-
-
-def check_names(args: argparse.Namespace) -> None:
-    """The flags that become Kubernetes names or quantities, checked before anything is written."""
-    if args.pvc is not None:
-        k8s_name(args.pvc, "--pvc")
-    if args.namespace is not None:
-        k8s_name(args.namespace, "--namespace", label=True)
-    if args.service_account is not None:
-        service_account(args.service_account)
-    if not _QUANTITY.match(args.shm_size):
-        raise UserError(f"--shm-size {args.shm_size!r} is not a Kubernetes quantity (e.g. 32Gi, 500Mi)")
 
 
 def _pytorch_job(spec: JobSpec, args: argparse.Namespace, name: str, namespace: str | None,

@@ -13,7 +13,8 @@ publishes whatever it had written so far under the final key: a truncated checkp
 valid (measured on s3torchconnector 1.5.0: a 1000-byte object appears). The public API has no abort.
 Dropping the native ``PutObjectStream`` without ``close()`` instead cancels the CRT meta request,
 which sends AbortMultipartUpload from the CRT's event loop (measured: no upload is left, nothing is
-visible; usually before the drop returns, on a loaded machine a moment after). ``Upload`` below holds the only reference to that stream and drops it to abort.
+visible; usually before the drop returns, on a loaded machine a moment after). ``Upload`` below
+holds the only reference to that stream and drops it to abort.
 
 Ranged reads also use the native ``get_object(bucket, key, start, end)`` (what ``RangedS3Reader``
 calls inside), so a read fills the caller's buffer without a HEAD request or a second buffer.
