@@ -33,6 +33,9 @@ ALLOWED = {
     # A ContextVar set only by ``shared_s3_clients()``'s ``with`` block and reset when it ends: the
     # clients belong to that scope (which closes them), not to the module.
     ("storage/s3_client.py", "contextvar", "_scope"),
+    # The same for one save's cancellation: set only by ``retry.cancellation()``'s ``with`` block on
+    # the writer thread and reset when the save ends; the token belongs to the save, not the module.
+    ("storage/retry.py", "contextvar", "_token"),
     # A ProcessPoolExecutor worker's own encoder, built once by the pool's initializer inside the
     # worker process (which the pool owns and ends); the main process never reads or writes it.
     ("data/prepare/encode.py", "global", "_worker_encoder"),

@@ -13,8 +13,15 @@ taken over at once; an earlier attempt of the same job (the same Slurm job id, t
 id or PyTorchJob: a requeue, a re-created pod) once it has stopped renewing (1.5 renewals: it may
 still be saving on its way out); a lease whose holder stopped
 heartbeating for longer than the timeout is taken over, and the log says so, so a requeue after a
-node loss never waits for a human. Simultaneous starts are settled by reading the lease back after
-a short pause: the last writer holds it, the other stops.
+node loss never waits for a human.
+
+The lease changes only by compare-and-swap (``Store.create_exclusive``, ``replace_if``,
+``delete_if``; on S3 conditional requests, ``If-None-Match: *`` and ``If-Match: ETag``; on POSIX
+an exclusive hard link, and a compare and rename under a lock file): a job takes a free lease only
+if it is still absent, takes one over, renews or releases it only if it is still the very version it
+read. So of two simultaneous starts exactly one holds the lease and the other stops, however late a
+throttled request lands; a renewal after another job took over fails, and the holder learns it lost;
+a release never removes another holder's lease.
 
 Wall clocks of different hosts are compared (``heartbeat``): NTP keeps them within far less than
 any sensible timeout.
@@ -30,13 +37,17 @@ import time
 from dataclasses import asdict, dataclass
 
 from podtrain.ckpt.store import NotFound, StorageError
+from podtrain.storage.errors import AccessDenied
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain.checkpoint")
 
 LEASE_FILE = "lease"
-SETTLE_S = 0.5
-"""Pause between writing a lease and reading it back (two jobs starting in the same second)."""
+RELEASED = 0.0
+"""The heartbeat of a lease its holder released where the storage refuses deletes: free at once."""
+CLAIM_TRIES = 5
+"""Rounds of ``claim_once`` (each: create, else read the winner): more are needed only while the
+object keeps vanishing between the two (someone deleting it)."""
 
 
 @dataclass
@@ -72,6 +83,21 @@ def read_lease(store) -> LeaseRecord | None:
         return None
 
 
+def read_lease_versioned(store) -> tuple[LeaseRecord | None, str | None]:
+    """The lease in ``store`` and its version tag: ``(None, None)`` when absent, ``(None, tag)``
+    when damaged (a compare-and-swap on ``tag`` replaces it)."""
+    try:
+        data, tag = store.read_versioned(LEASE_FILE)
+    except (NotFound, FileNotFoundError):
+        return None, None
+    try:
+        raw = json.loads(data)
+        return LeaseRecord(**{k: raw[k] for k in LeaseRecord.__dataclass_fields__}), tag
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        log.warning("%s/%s is damaged: treated as free", store.url, LEASE_FILE)
+        return None, tag
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host."""
     try:
@@ -95,6 +121,8 @@ class Lease:
         self.record = LeaseRecord(lineage, job, host, os.getpid(), now, now)
         self.lost: str | None = None
         """Set when a renewal found another holder: why (the run should stop)."""
+        self._tags: dict[str, str] = {}
+        """Per location (its url): the version tag of the lease this job wrote last there."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -128,18 +156,21 @@ class Lease:
         self.record.lineage = lineage
 
     def _take(self, store) -> None:
+        """Take ``store``'s lease by compare-and-swap on the version just read (or create it where
+        there is none); ``UserError`` when a live holder has it or another job won the race."""
         now = time.time()
-        held = read_lease(store)
-        damaged = held is None and store.exists(LEASE_FILE)
+        held, tag = read_lease_versioned(store)
         if held is not None and not held.same_holder(self.record):
             age = now - held.heartbeat
-            if held.host == self.record.host and not _alive(held.pid):
+            if held.heartbeat == RELEASED:
+                log.info("%s/%s: taking the lease released by %s", store.url, LEASE_FILE, held.describe(now))
+            elif held.host == self.record.host and not _alive(held.pid):
                 log.info("%s/%s: taking the lease over from a process on this host that is gone (%s)",
                          store.url, LEASE_FILE, held.describe(now))
             elif self.record.job and held.job == self.record.job:
                 # An earlier attempt of this job (a requeue, a restarted pod) may still be saving
                 # on its way out: wait until it stops renewing, never write beside it.
-                self._wait_for_lapse(store, held)
+                tag = self._wait_for_lapse(store, held)
             elif age <= self.timeout_s:
                 raise UserError(
                     f"{store.url} is in use by {held.describe(now)}: two jobs must not write one run. "
@@ -149,31 +180,31 @@ class Lease:
             else:
                 log.warning("%s/%s: taking over the lease of %s (older than ckpt.lease_timeout_s=%g)",
                             store.url, LEASE_FILE, held.describe(now), self.timeout_s)
-        if held is None and not damaged and store.local_path(LEASE_FILE) is not None:
-            if self._create_exclusive(store):  # POSIX: atomic, no pause needed
-                return
-        else:
-            self._write(store)
-            time.sleep(SETTLE_S)
-        back = read_lease(store)
-        if back is None or not back.same_holder(self.record):
+        # Exactly one writer wins each of these: a lease created or changed since the read above
+        # (a job starting at the same moment, however late its request lands) makes ours fail.
+        new = store.create_exclusive(LEASE_FILE, self._body()) if tag is None else \
+            store.replace_if(LEASE_FILE, self._body(), tag)
+        if new is None:
+            back = read_lease(store)
             raise UserError(f"{store.url} was claimed at the same moment by "
                             f"{back.describe(time.time()) if back else 'another job'}: two jobs must not "
                             "write one run; this one stops")
+        self._tags[store.url] = new
 
-    def _wait_for_lapse(self, store, held: LeaseRecord) -> None:
+    def _wait_for_lapse(self, store, held: LeaseRecord) -> str | None:
         """Wait until an earlier attempt of this job has stopped renewing (1.5 renewals), at most
-        the timeout; an attempt still renewing then is another live process of this job: refused."""
+        the timeout; an attempt still renewing then is another live process of this job: refused.
+        Returns the version tag of the lease as last read (None: it is gone), to take it over by."""
         lapse = 1.5 * self.renew_s
         deadline = time.time() + self.timeout_s
         said = False
         while True:
             now = time.time()
-            current = read_lease(store)
+            current, tag = read_lease_versioned(store)
             if current is None or current.same_holder(self.record) or now - current.heartbeat > lapse:
                 log.info("%s/%s: taking the lease over from an earlier attempt of this job (%s)",
                          store.url, LEASE_FILE, held.describe(now))
-                return
+                return tag
             if now > deadline:
                 raise UserError(f"{store.url} is still renewed by {current.describe(now)}, another process "
                                 "of this same job: two attempts must not write one run")
@@ -194,28 +225,10 @@ class Lease:
                 return reason
         return None
 
-    def _create_exclusive(self, store) -> bool:
-        """POSIX: create the lease only if no one else has (a hard link to a complete temporary
-        file fails when the name exists); False when another job won the race."""
-        path = store.local_path(LEASE_FILE)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{LEASE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+    def _body(self) -> bytes:
+        """The lease record with a new heartbeat, as written (unique to this holder and moment)."""
         self.record.heartbeat = time.time()
-        with open(tmp, "w") as fh:  # complete and durable before it gets its name
-            fh.write(json.dumps(asdict(self.record)))
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _write(self, store) -> None:
-        self.record.heartbeat = time.time()
-        store.write_bytes(LEASE_FILE, json.dumps(asdict(self.record)).encode())
+        return json.dumps(asdict(self.record)).encode()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.renew_s):
@@ -223,66 +236,109 @@ class Lease:
                 self._renew(store)
 
     def _renew(self, store) -> None:
-        """Renew one lease; a lease now held by another job is lost (said once)."""
+        """Renew one lease by compare-and-swap on the version this job wrote last: it fails once
+        another job took the lease over (or removed it), and the lease is then lost (said once)."""
         try:
-            held = read_lease(store)
-            if held is not None and not held.same_holder(self.record):
-                if self.lost is None:
-                    self.lost = f"{store.url}: the lease was taken over by {held.describe(time.time())}"
-                    log.error("%s: this job no longer owns the run and will stop", self.lost)
-                return
-            self._write(store)
+            tag = self._tags.get(store.url)
+            new = store.replace_if(LEASE_FILE, self._body(), tag) if tag is not None else None
+            if new is None:
+                held, current = read_lease_versioned(store)
+                if held is not None and held.same_holder(self.record):
+                    # our own renewal landed although its answer was lost (an outage): adopt it
+                    new = store.replace_if(LEASE_FILE, self._body(), current)
+                if new is None:
+                    if self.lost is None:
+                        held, current = read_lease_versioned(store)
+                        self.lost = (f"{store.url}: the lease was taken over by {held.describe(time.time())}"
+                                     if held is not None else
+                                     f"{store.url}: the lease was removed by another job" if current is None else
+                                     f"{store.url}: the lease was replaced by another job (unreadable)")
+                        log.error("%s: this job no longer owns the run and will stop", self.lost)
+                    return
+            self._tags[store.url] = new
         except (StorageError, OSError) as exc:  # an outage: the next renewal tries again
             log.warning("renewing the lease %s/%s failed: %s", store.url, LEASE_FILE, exc)
 
-    def release(self) -> None:
-        """Stop renewing and remove the leases this job still holds."""
+    def release(self, deadline_s: float | None = None) -> bool:
+        """Stop renewing and remove the leases this job still holds. ``deadline_s`` (a stop
+        signal's grace period): the most seconds this may take; a renewal or removal still waiting
+        on the storage then is left to a daemon thread, and the lease expires by itself. False
+        when a thread was left so, True when everything ended."""
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+
+        def left() -> float | None:
+            return None if end is None else max(0.0, end - time.monotonic())
+
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(left())
+            if self._thread.is_alive():
+                log.warning("releasing the lease: a renewal is still waiting on the storage after %.1f s; "
+                            "left to expire by itself", deadline_s)
+                return False
             self._thread = None
-        for store in self.stores:
-            self._drop(store)
+        dropper = threading.Thread(target=lambda: [self._drop(store) for store in self.stores],
+                                   name="podtrain-lease-release", daemon=True)
+        dropper.start()
+        dropper.join(left())
+        if dropper.is_alive():
+            log.warning("releasing the lease: the storage did not answer within %.1f s; left to expire by "
+                        "itself", deadline_s)
+            return False
+        return True
 
     def _drop(self, store) -> None:
+        """Remove ``store``'s lease if it is this job's, by compare-and-swap on the version read:
+        a lease another job took over meanwhile is never removed."""
         try:
-            held = read_lease(store)
-            if held is not None and held.same_holder(self.record):
-                store.delete(LEASE_FILE)
+            held, tag = read_lease_versioned(store)
+            if held is None or not held.same_holder(self.record):
+                return
+            try:
+                removed = store.delete_if(LEASE_FILE, tag)
+            except AccessDenied:
+                # A bucket that refuses deletes (object lock, no s3:DeleteObject) still takes writes:
+                # the lease is marked released (heartbeat 0, as old as can be), so the next job takes
+                # it at once instead of waiting ckpt.lease_timeout_s for it to expire.
+                removed = store.replace_if(LEASE_FILE, json.dumps({**asdict(self.record), "heartbeat": RELEASED}).encode(),
+                                           tag) is not None
+                log.info("%s/%s: the storage refuses deletes; the lease is marked released instead",
+                         store.url, LEASE_FILE)
+            if not removed:
+                log.warning("%s/%s changed while it was being released: left to its new holder",
+                            store.url, LEASE_FILE)
         except (StorageError, OSError) as exc:
             log.warning("releasing the lease %s/%s failed: %s (it expires by itself)", store.url, LEASE_FILE, exc)
 
 
 def claim_once(store, name: str, body: dict) -> dict:
-    """Write the small JSON object ``name`` unless it exists; returns the one that stands (ours, or
-    the first claimant's). POSIX: an exclusive hard link; S3: write, pause, read back (the last
-    writer of a simultaneous pair wins, and both read the same winner)."""
-    existing = _read_json(store, name)
-    if existing is not None:
-        return existing
-    path = store.local_path(name)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w") as fh:
-            fh.write(json.dumps(body))
-            fh.flush()
-            os.fsync(fh.fileno())
+    """Create the small JSON object ``name`` unless it exists; returns the one that stands (ours, or
+    the first claimant's). A compare-and-swap (``Store.create_exclusive``: a hard link on POSIX,
+    ``If-None-Match: *`` on S3): of simultaneous claimants exactly one creates it, however late a
+    throttled request lands, and every one of them returns that claim. A damaged object is replaced
+    only if it is still the damaged version read (``replace_if``)."""
+    data = json.dumps(body).encode()
+    for _ in range(CLAIM_TRIES):
+        if store.create_exclusive(name, data) is not None:
+            return body
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-    else:
-        store.write_bytes(name, json.dumps(body).encode())
-        time.sleep(SETTLE_S)
-    return _read_json(store, name) or body
+            held, tag = store.read_versioned(name)
+        except (NotFound, FileNotFoundError):  # removed between the two: claim again
+            continue
+        standing = _parse_json(held)
+        if standing is not None:
+            return standing
+        log.warning("%s/%s is damaged: claimed anew", store.url, name)
+        if store.replace_if(name, data, tag) is not None:
+            return body
+    raise StorageError(store.where(name), f"could not be claimed in {CLAIM_TRIES} tries: it keeps changing "
+                                          "(another process is creating and removing it)")
 
 
-def _read_json(store, name: str) -> dict | None:
+def _parse_json(data: bytes) -> dict | None:
+    """``data`` as a JSON object, or None (not JSON, not an object)."""
     try:
-        data = json.loads(store.read_bytes(name))
-    except (NotFound, FileNotFoundError, ValueError, UnicodeDecodeError):
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
         return None
-    return data if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else None

@@ -13,7 +13,8 @@ Where things are recorded::
     CKPT_DIR/runs/<lineage>/      the checkpoints of any other lineage given the same ckpt.dir
     LOCAL_DIR/<lineage>/          every lineage's node-local tier in a folder of its own
 
-The first lineage to use a ``ckpt.dir`` owns it (``owner.json``; checkpoints of a podtrain that
+The first lineage to use a ``ckpt.dir`` owns it (``owner.json``, created by compare-and-swap, so
+of runs starting at once exactly one owns it: ``lease.claim_once``; checkpoints of a podtrain that
 predates lineages count as their run's); any other lineage that is given the same ``ckpt.dir``
 writes under ``CKPT_DIR/runs/<lineage>/`` and says so in one line naming the owner and the ways
 to continue or branch from it. So an LR sweep from one base YAML starts fresh in every run,

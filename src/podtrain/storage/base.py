@@ -173,6 +173,32 @@ class Store(abc.ABC):
         """Write ``data`` (bytes-like) to ``name`` atomically (the whole of it again after a transient failure)."""
         self.write_replayable(name, lambda fh: fh.write(data))
 
+    # control files: compare-and-swap ----------------------------------------------------------
+    # Small files that several jobs may write at once (a run's owner, its lease) change only through
+    # these: each either happens on the version the caller saw or not at all, so two writers can never
+    # both believe they won (S3: conditional requests; POSIX: an exclusive link, a lock file).
+    # ``data`` must be unique to its writer (a holder's pid, start time, heartbeat): that is how a
+    # retried request whose first try had in fact landed is recognised as the caller's own.
+    @abc.abstractmethod
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        """The whole of ``name`` and its version tag, read together (``NotFound`` if absent): the
+        tag to give ``replace_if`` or ``delete_if`` to change exactly this content."""
+
+    @abc.abstractmethod
+    def create_exclusive(self, name: str, data) -> str | None:
+        """Create ``name`` holding ``data`` only if no file of that name exists; its version tag,
+        or None when one exists (another writer won: nothing was written)."""
+
+    @abc.abstractmethod
+    def replace_if(self, name: str, data, tag: str) -> str | None:
+        """Replace ``name`` with ``data`` only if it still has version ``tag``; the new tag, or None
+        when it was changed or removed since (nothing was written)."""
+
+    @abc.abstractmethod
+    def delete_if(self, name: str, tag: str) -> bool:
+        """Remove ``name`` only if it still has version ``tag``: True when it is gone (removed now,
+        or already absent), False when another version stands (it is left alone)."""
+
     # listing and deletion ---------------------------------------------------------------------
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[Entry]:

@@ -10,22 +10,55 @@ forbidden location is not.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
+import hashlib
+import logging
 import os
 import stat
+import time
 from pathlib import Path
 from typing import BinaryIO
 
-from podtrain.fsutil import open_temp, publish_temp
+from podtrain.fsutil import file_mode, fsync_dir, open_temp, publish_temp
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import NotFound, StorageError, from_os_error
 from podtrain.storage.retry import RetryPolicy
 
+log = logging.getLogger("podtrain.storage")
+
+LOCK_WAIT_S = 10.0
+"""Longest wait for a control file's lock (it is held for one read and one rename)."""
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+"""flock failing for want of support (Lustre mounted without ``-o flock``), not for contention."""
+
+
+def version_tag(data: bytes) -> str:
+    """A POSIX control file's version tag: a digest of its bytes. Not the mtime (a coarse clock
+    gives two writes in one tick the same one) nor the inode (freed by a rename, soon reused)."""
+    return "b2:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _tag_if_same(path: Path, data) -> str | None:
+    """The tag of ``path`` when it holds exactly ``data`` (this writer's own bytes), else None."""
+    try:
+        held = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return version_tag(held) if held == bytes(byte_view(data)) else None
+
 
 def is_temp_name(base: str) -> bool:
     """Whether ``base`` is an in-flight temporary file of ``fsutil.open_temp`` ('.NAME.XXXX.tmp')."""
     return base.startswith(".") and base.endswith(".tmp")
+
+
+def is_lock_name(base: str) -> bool:
+    """Whether ``base`` is a control file's lock file ('.NAME.lock': ``PosixStore.replace_if``)."""
+    return base.startswith(".") and base.endswith(".lock")
 
 
 def _retried(method):
@@ -107,6 +140,7 @@ class PosixStore(Store):
         self.url = str(url)
         self.root = Path(url)
         self.retry = retry if retry is not None else RetryPolicy()
+        self._said_no_locks = False
 
     def _path(self, name: str) -> Path:
         return self.root / self.check_name(name)
@@ -184,12 +218,126 @@ class PosixStore(Store):
                 elif child.startswith(prefix):
                     yield child, ent
 
+    # control files: compare-and-swap (see ``Store``) ------------------------------------------
+    @_retried
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        """The bytes of ``name`` and their digest (its version tag)."""
+        try:
+            data = self._path(name).read_bytes()
+        except OSError as exc:
+            raise from_os_error(self.where(name), exc) from None
+        return data, version_tag(data)
+
+    def _complete_temp(self, path: Path, data) -> Path:
+        """A temporary file beside ``path`` holding ``data``, durable, with a plain file's mode."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh, tmp = open_temp(path)
+        try:
+            with fh:
+                fh.write(byte_view(data))
+                os.fchmod(fh.fileno(), file_mode())
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    @_retried
+    def create_exclusive(self, name: str, data) -> str | None:
+        """Hard-link a complete temporary file to ``name``: the link fails when the name exists,
+        atomically on every POSIX file system (NFS and Lustre included), so one creator wins."""
+        path = self._path(name)
+        try:
+            tmp = self._complete_temp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                # ours after all when a retry follows a link that landed before a passing error
+                return _tag_if_same(path, data)
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(path.parent)
+        except OSError as exc:
+            raise from_os_error(self.where(name), exc) from None
+        return version_tag(bytes(byte_view(data)))
+
+    @contextlib.contextmanager
+    def _locked(self, name: str):
+        """Hold the lock file ``.NAME.lock`` beside ``name`` (flock, waiting at most ``LOCK_WAIT_S``):
+        every ``replace_if`` and ``delete_if`` of ``name`` compares and changes it under this lock.
+        The lock file stays (removing a lock file others may hold would let two holders in)."""
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StorageError(self.where(name), f"its lock .{path.name}.lock was held for more "
+                                                             f"than {LOCK_WAIT_S:g} s") from None
+                    time.sleep(0.01)
+                except OSError as exc:
+                    if exc.errno not in _NO_LOCKS:
+                        raise
+                    # no lock on this mount: compare, then rename, as before the lock existed (two
+                    # writers landing within that instant are not told apart there)
+                    if not self._said_no_locks:
+                        self._said_no_locks = True
+                        log.warning("%s: the file system refuses flock (%s): control files are compared and "
+                                    "replaced without a lock (mount Lustre with -o flock)", self.url, exc.strerror)
+                    break
+            yield path
+        finally:
+            os.close(fd)
+
+    @_retried
+    def replace_if(self, name: str, data, tag: str) -> str | None:
+        """Under ``name``'s lock: rename a complete temporary file over it if its digest is ``tag``."""
+        try:
+            tmp = self._complete_temp(self._path(name), data)
+            try:
+                with self._locked(name) as path:
+                    try:
+                        if version_tag(path.read_bytes()) != tag:
+                            return _tag_if_same(path, data)  # a retry after our own rename landed
+                    except FileNotFoundError:
+                        return None
+                    os.replace(tmp, path)
+                    fsync_dir(path.parent)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise from_os_error(self.where(name), exc) from None
+        return version_tag(bytes(byte_view(data)))
+
+    @_retried
+    def delete_if(self, name: str, tag: str) -> bool:
+        """Under ``name``'s lock: remove it if its digest is ``tag``."""
+        try:
+            with self._locked(name) as path:
+                try:
+                    if version_tag(path.read_bytes()) != tag:
+                        return False
+                except FileNotFoundError:
+                    return True
+                path.unlink()
+                fsync_dir(path.parent)
+        except OSError as exc:
+            raise from_os_error(self.where(name), exc) from None
+        return True
+
     @_retried
     def list(self, prefix: str = "") -> list[Entry]:
-        """Every committed file whose name starts with ``prefix``, sorted by name."""
+        """Every committed file whose name starts with ``prefix``, sorted by name (neither
+        temporaries nor control files' lock files)."""
         out = []
         for name, ent in self._walk(prefix):
-            if is_temp_name(ent.name):
+            if is_temp_name(ent.name) or is_lock_name(ent.name):
                 continue
             try:
                 st = ent.stat(follow_symlinks=True)

@@ -20,7 +20,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
-from podtrain.storage import s3_client
+from podtrain.storage import s3_client, s3_config
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import AccessDenied, NoSuchBucket, NotFound, StorageError, Transient
@@ -58,12 +58,17 @@ def classify(url: str, message: str) -> StorageError:
     text = (_MESSAGE.search(message) or [None, ""])[1]
     status = int((_STATUS.search(message) or [None, "0"])[1])
     crt = (_CRT_ERROR.search(message) or [None, ""])[1]
-    low = message.lower()
     if code or status:
         cause = f"{code or 'HTTP ' + str(status)}: {text or 'S3 request failed'}" + (f" (HTTP {status})" if status else "")
     else:
         cause = message.split(": ", 1)[1] if message.startswith(("Service error: ", "Client error: ")) else message
         cause = cause.removeprefix("Unknown CRT error: ")
+    return _classified(url, code, status, crt, message.lower(), cause)
+
+
+def _classified(url: str, code: str, status: int, crt: str, low: str, cause: str) -> StorageError:
+    """The ``StorageError`` for an S3 error code, HTTP status, CRT error name and message text
+    (lower-cased), whichever client reported them; ``cause`` is its one-line description."""
     if code == "NoSuchBucket" or "bucket does not exist" in low:
         return NoSuchBucket(url, "no such bucket" + (f" ({cause})" if code else ""))
     if code in ("NoSuchKey", "NotFound") or "key does not exist" in low or "object was not found" in low:
@@ -82,17 +87,55 @@ def classify(url: str, message: str) -> StorageError:
     return StorageError(url, cause)
 
 
+def classify_botocore(url: str, exc: Exception) -> StorageError | None:
+    """The ``StorageError`` for a botocore failure at ``url`` (the control files' client), by the
+    same rules as ``classify``; None for what is not a storage failure (a bug: re-raised as is)."""
+    try:
+        from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
+                                         HTTPClientError, NoCredentialsError, PartialCredentialsError)
+    except ImportError:
+        return None
+    if isinstance(exc, ClientError):
+        error, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
+        code, text = str(error.get("Code", "")), str(error.get("Message", ""))
+        status = int(meta.get("HTTPStatusCode") or 0)
+        if code.isdigit():  # a HEAD-like answer without a body: botocore names the status as the code
+            code = {"404": "NotFound"}.get(code, "")
+        cause = f"{code or 'HTTP ' + str(status)}: {text or 'S3 request failed'}" + (f" (HTTP {status})" if status else "")
+        return _classified(url, code, status, "", f"{code} {text}".lower(), cause)
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return _classified(url, "", 0, "", "no signing credentials", str(exc))
+    if isinstance(exc, (BotoConnectionError, HTTPClientError)):  # refused, reset, timed out, cut mid-body
+        return Transient(url, str(exc))
+    if isinstance(exc, BotoCoreError):
+        return StorageError(url, str(exc))
+    if isinstance(exc, OSError):  # a socket error while the body streams
+        return Transient(url, str(exc) or type(exc).__name__)
+    return None
+
+
+_LOST = object()
+"""A conditional request refused because the object is not as the caller saw it (412, or gone)."""
+_CONFLICT_CODES = ("ConditionalRequestConflict",)
+"""409: another conditional write of the object is in flight; S3 says to try again (then one of
+them has won, and the answer is a success or a 412)."""
+
+
 class S3ObjectWriter(Writer):
     """Streams into a multipart upload; ``commit`` completes it, ``abort`` (or an exception) aborts it.
 
-    Not retried by itself (the bytes already streamed are gone): ``Store.write_replayable`` sends
-    the whole object again after a transient failure. ``store.retry.abandon()`` stops it at the
-    next slice of ``s3_client.WRITE_SLICE`` bytes.
+    Not retried by itself: the CRT retries each part (``s3_client.CRT_MAX_ATTEMPTS``), and a part
+    that still fails fails the upload, which the CRT aborts (S3 keeps nothing of it to read back or
+    complete). ``Store.write_replayable`` then sends the whole object again from its first byte (a
+    checkpoint's piece file: ``CheckpointWriter._write_own``, its bytes from ``SaveStream``).
+    ``store.retry.abandon()`` stops it at the next slice of ``s3_client.WRITE_SLICE`` bytes.
     """
 
     def __init__(self, store: "S3Store", name: str):
         self.name, self._store, self._url = name, store, store.where(name)
         self._upload = None
+        self.error: StorageError | None = None
+        """Why this upload failed (None: it did not), for a caller that cannot send it again."""
         key = store.loc.key(name)
         self._upload = store.call(self._url, lambda: s3_client.Upload(store.client, store.loc.bucket, key))
         self._written = 0
@@ -108,9 +151,11 @@ class S3ObjectWriter(Writer):
                 self._upload.write(view[i:i + s3_client.WRITE_SLICE])
         except self._store.s3_exception as exc:
             self.abort()
-            raise classify(self._url, str(exc)) from None
-        except Transient:
+            self.error = self._failure(str(exc))
+            raise self.error from None
+        except Transient as exc:
             self.abort()
+            self.error = exc
             raise
         self._written += len(view)
         return len(view)
@@ -127,7 +172,17 @@ class S3ObjectWriter(Writer):
         try:
             upload.complete()
         except self._store.s3_exception as exc:
-            raise classify(self._url, str(exc)) from None
+            self.error = self._failure(str(exc))
+            raise self.error from None
+
+    def _failure(self, message: str) -> StorageError:
+        """The ``StorageError`` of a failed write or commit. A part that failed all of the CRT's
+        attempts ends the upload, and the CRT then answers the next write (or the completion) with
+        "request has already completed" instead of the part's error: the upload failed before we
+        ended it, which is worth sending again (transient), not a user's mistake to stop the run for."""
+        if "AWS_ERROR_S3_REQUEST_HAS_COMPLETED" in message:
+            return Transient(self._url, "the upload failed: a part was refused past the S3 client's retries")
+        return classify(self._url, message)
 
     def abort(self) -> None:
         """Abort the multipart upload; nothing becomes visible."""
@@ -166,6 +221,94 @@ class S3Store(Store):
 
     def _classify(self, url: str) -> Callable[[Exception], StorageError | None]:
         return lambda exc: classify(url, str(exc)) if isinstance(exc, self.s3_exception) else None
+
+    # control files: compare-and-swap with conditional requests (see ``Store``) -----------------
+    def _conditional(self, name: str, request: Callable[[object], object], data=None):
+        """``request(client)`` (a botocore call) under the retry policy: its answer, or ``_LOST``
+        when S3 refused its precondition (412 PreconditionFailed; 404: the object is gone). A 409
+        ConditionalRequestConflict is tried again. After a retry, a refusal may be this writer's
+        own earlier try that landed unseen: with ``data``, the object holding exactly it counts
+        as this writer's (its ETag is returned instead of ``_LOST``)."""
+        url = self.where(name)
+        tries = 0
+
+        def once():
+            nonlocal tries
+            tries += 1
+            try:
+                return request(self.clients.control(url))
+            except Exception as exc:  # noqa: BLE001 - sorted out below, the rest re-raised
+                answer = getattr(exc, "response", None)  # a botocore ClientError's parsed answer
+                if not isinstance(answer, dict):
+                    raise
+                code = str(answer.get("Error", {}).get("Code", ""))
+                status = int(answer.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+                if code == "PreconditionFailed" or status == 412 or code in ("NoSuchKey", "NotFound"):
+                    return _LOST
+                if code in _CONFLICT_CODES or status == 409:
+                    raise Transient(url, f"{code or 'HTTP 409'}: another conditional write of it is in flight") from None
+                if code == "NotImplemented" or status == 501:
+                    raise self._unsupported(url, code or "HTTP 501") from None
+                raise
+
+        answer = self.retry.run(url, once, lambda exc: classify_botocore(url, exc))
+        if answer is _LOST and tries > 1 and data is not None:
+            try:
+                held, tag = self.read_versioned(name)
+            except NotFound:
+                return _LOST
+            if held == bytes(byte_view(data)):
+                return {"ETag": tag}
+        return answer
+
+    @staticmethod
+    def _unsupported(url: str, code: str) -> StorageError:
+        endpoint = s3_config.endpoint_url() or "AWS S3"
+        return StorageError(url, f"the S3 endpoint {endpoint} does not support conditional writes ({code} to "
+                                 "If-None-Match/If-Match), which podtrain's owner and lease files need: use a "
+                                 "bucket that supports them (AWS S3, or an S3-compatible store with conditional "
+                                 "writes), or put run.dir and ckpt.dir on a file system")
+
+    def read_versioned(self, name: str) -> tuple[bytes, str]:
+        """The object and its ETag from one GET (so the two belong together)."""
+        key, url = self.loc.key(self.check_name(name)), self.where(name)
+
+        def get():
+            answer = self.clients.control(url).get_object(Bucket=self.loc.bucket, Key=key)
+            with answer["Body"] as body:
+                return body.read(), answer["ETag"]
+
+        # a GET (unlike a HEAD) names a missing bucket itself (NoSuchBucket): no listing needed
+        return self.retry.run(url, get, lambda exc: classify_botocore(url, exc))
+
+    def create_exclusive(self, name: str, data) -> str | None:
+        """PutObject with ``If-None-Match: *``: S3 creates it only if no object has the key."""
+        key, body = self.loc.key(self.check_name(name)), bytes(byte_view(data))
+        answer = self._conditional(name, lambda c: c.put_object(Bucket=self.loc.bucket, Key=key, Body=body,
+                                                                 IfNoneMatch="*"), body)
+        return None if answer is _LOST else answer["ETag"]
+
+    def replace_if(self, name: str, data, tag: str) -> str | None:
+        """PutObject with ``If-Match: tag``: S3 replaces it only if its ETag is still ``tag``."""
+        key, body = self.loc.key(self.check_name(name)), bytes(byte_view(data))
+        answer = self._conditional(name, lambda c: c.put_object(Bucket=self.loc.bucket, Key=key, Body=body,
+                                                                 IfMatch=tag), body)
+        return None if answer is _LOST else answer["ETag"]
+
+    def delete_if(self, name: str, tag: str) -> bool:
+        """DeleteObject with ``If-Match: tag``: S3 deletes it only if its ETag is still ``tag``."""
+        key = self.loc.key(self.check_name(name))
+        try:
+            answer = self._conditional(name, lambda c: c.delete_object(Bucket=self.loc.bucket, Key=key, IfMatch=tag))
+        except NotFound:
+            return True
+        if answer is not _LOST:
+            return True
+        try:  # 412: another version stands; 404: it is gone already
+            self.read_versioned(name)
+        except NotFound:
+            return True
+        return False
 
     def _not_found(self, name: str, err: NotFound) -> NotFound:
         """``err``, or ``NoSuchBucket`` when the bucket itself is missing (HEAD cannot tell them apart)."""

@@ -19,6 +19,14 @@ holds the only reference to that stream and drops it to abort.
 Ranged reads also use the native ``get_object(bucket, key, start, end)`` (what ``RangedS3Reader``
 calls inside), so a read fills the caller's buffer without a HEAD request or a second buffer.
 
+Control files (a run's owner, its lease) go through botocore instead: s3torchconnector 1.5 cannot
+send conditional headers (its native ``put_object`` takes a bucket, a key and a storage class, its
+``delete_object`` a bucket and a key), and those files change only by compare-and-swap
+(``If-None-Match: *`` to create, ``If-Match: ETag`` to replace or delete). ``S3Clients.control``
+gives a botocore client for the same endpoint, region and profile as the CRT client; botocore
+retries nothing itself (one attempt): the store's ``RetryPolicy`` owns the retries, so a retried
+conditional write can be recognised as the caller's own (``S3Store.create_exclusive``).
+
 Retries happen at two levels, and the inner one is kept short on purpose (``CRT_MAX_ATTEMPTS``).
 The CRT retries each HTTP request itself (each part of an upload, each ranged GET) on 503
 SlowDown/ServiceUnavailable, 500, RequestTimeout and dropped connections, with exponential backoff
@@ -47,6 +55,11 @@ from podtrain.storage import s3_config
 from podtrain.storage.errors import StorageError
 
 EXTRA_HINT = "needs the optional dependency s3torchconnector: pip install 'podtrain[s3]'"
+CONTROL_HINT = "needs the optional dependency botocore (conditional writes of control files): pip install 'podtrain[s3]'"
+CONTROL_CONNECT_S = 10.0
+CONTROL_READ_S = 20.0
+"""Timeouts of one control-file request (a few hundred bytes): a silent endpoint fails the try
+within these, and the store's ``RetryPolicy`` decides whether to try again."""
 WRITE_SLICE = 8 << 20
 """Bytes handed to the native stream per call: the stream takes only ``bytes`` (a copy), so large
 buffers go in slices to bound the extra memory (and a stop is noticed between slices)."""
@@ -83,6 +96,7 @@ class S3Clients:
 
     def __init__(self) -> None:
         self._clients: dict[tuple, object] = {}
+        self._control: dict[tuple, object] = {}
         self._lock = threading.Lock()
 
     def client(self, url: str):
@@ -100,6 +114,32 @@ class S3Clients:
                 client = self._clients[key] = S3Client(region, endpoint=endpoint, s3client_config=config)
             return client
 
+    def control(self, url: str):
+        """The botocore S3 client for control files (conditional requests) at the endpoint, region
+        and profile the environment names now, as ``client`` chooses them (a custom endpoint
+        path-style); made on first use. One attempt per call: the store's ``RetryPolicy`` retries."""
+        endpoint, region, profile = s3_config.endpoint_url(), s3_config.region(), s3_config.profile()
+        key = (endpoint, region, profile)
+        with self._lock:
+            client = self._control.get(key)
+            if client is None:
+                try:
+                    import botocore.session
+                    from botocore.config import Config
+                except ImportError:
+                    raise StorageError(url, CONTROL_HINT) from None
+                config = Config(
+                    s3={"addressing_style": "path" if endpoint is not None else "auto"},
+                    retries={"total_max_attempts": 1}, connect_timeout=CONTROL_CONNECT_S,
+                    read_timeout=CONTROL_READ_S,
+                    # a checksum only where S3 demands one: S3-compatible stores that predate the
+                    # flexible checksums refuse requests that carry them by default
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+                session = botocore.session.Session(profile=profile)
+                client = self._control[key] = session.create_client("s3", region_name=region, endpoint_url=endpoint,
+                                                                    config=config)
+            return client
+
     def close(self) -> None:
         """Release the pool's clients (the end of its scope, or of the store that owns it).
 
@@ -108,6 +148,9 @@ class S3Clients:
         copy mid-way (the forked child then hangs at its first request)."""
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
+            control, self._control = list(self._control.values()), {}
+        for client in control:  # their connection pools (botocore threads nothing of its own)
+            client.close()
         live = [c for c in clients if getattr(c, "_native_client", None) is not None]
         if live:
             from s3torchconnectorclient._mountpoint_s3_client import join_all_managed_threads
@@ -122,7 +165,7 @@ class S3Clients:
                 pass
 
     def __del__(self) -> None:
-        if getattr(self, "_clients", None):
+        if getattr(self, "_clients", None) or getattr(self, "_control", None):
             try:
                 self.close()
             except Exception:  # interpreter shutdown: modules are being torn down, nothing to join
