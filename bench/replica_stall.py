@@ -41,7 +41,8 @@ from podtrain.model import build_model, preset_config  # noqa: E402
 def _loop(rank: int, world: int, base: str, k: int, preset: str, steps: int, step_s: float, step_kind: str,
           every: int):
     """One rank = one node: train-like steps, a local save every ``every``; its stalls and totals."""
-    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "PODTRAIN_HOSTNAME": f"node{rank}"})  # replicas are placed by host name
     ctx = gloo_context()
     model = build_model(preset_config(preset), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -10,6 +10,7 @@ path and query, headers, the body with its Content-Length or chunked framing) to
     proxy.fail_fraction(0.3, seed=1)  # that fraction of requests (a seeded draw per request)
     proxy.fail_with(403, "AccessDenied", "Access Denied")  # the error every failed request gets
     proxy.fail_with(RESET)          # ... or a reset connection, without an answer
+    proxy.fail_with(HANG)           # ... or no answer at all while the fault lasts (a storage that hangs)
     proxy.fail_only("/train_")      # faults hit only requests whose path contains this (None: all)
     proxy.stats()                   # {"requests": N, "failed": M, "forwarded": K}
     proxy.history()                 # the last requests: (method, path and query, failed?)
@@ -51,6 +52,9 @@ HISTORY = 10_000
 """Requests remembered by ``history()``."""
 RESET = 0
 """``fail_with(RESET)``: a failed request's connection is reset instead of answered."""
+HANG = -1
+"""``fail_with(HANG)``: a failed request is read and never answered while the fault lasts (a storage
+that accepts connections and never answers); when it ends, the connection is closed unanswered."""
 # Hop-by-hop headers (RFC 9110 7.6.1) are this hop's business; Expect is answered here (the body is
 # read before forwarding). Everything else, Host and the signature included, goes through as sent.
 _HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
@@ -70,6 +74,7 @@ class S3FaultProxy:
         self._error = (503, "SlowDown", "Please reduce your request rate.")
         self._counts = {"requests": 0, "failed": 0, "forwarded": 0}
         self._only: str | None = None
+        self._methods: tuple[str, ...] | None = None
         self._history: collections.deque = collections.deque(maxlen=HISTORY)
         self._open: set[socket.socket] = set()
         self._server = _Server(("127.0.0.1", 0), _Handler, self)
@@ -105,18 +110,26 @@ class S3FaultProxy:
         with self._lock:
             self._error = (status, code, message)
 
-    def fail_only(self, path_part: str | None) -> None:
-        """Let faults hit only requests whose path (query included) contains ``path_part``; None: all."""
+    def fail_only(self, path_part: str | None, methods: tuple[str, ...] | None = None) -> None:
+        """Let faults hit only requests whose path (query included) contains ``path_part`` (None: all)
+        and, with ``methods``, only those HTTP methods (``("DELETE",)``: a bucket that denies deletes)."""
         with self._lock:
             self._only = path_part
+            self._methods = methods
 
     def reset(self) -> None:
         """No faults, on every path, 503 SlowDown as the error, every counter and the history empty."""
         with self._lock:
-            self._outage_until, self._fraction, self._only = None, 0.0, None
+            self._outage_until, self._fraction, self._only, self._methods = None, 0.0, None, None
             self._error = (503, "SlowDown", "Please reduce your request rate.")
             self._counts = dict.fromkeys(self._counts, 0)
             self._history.clear()
+
+    def _hangs(self) -> bool:
+        """Whether a hung request must go on waiting: HANG is the error and a fault is on."""
+        with self._lock:
+            on = (self._outage_until is not None and time.monotonic() < self._outage_until) or self._fraction > 0
+            return not self._stopped and self._error[0] == HANG and on
 
     @property
     def in_outage(self) -> bool:
@@ -172,7 +185,7 @@ class S3FaultProxy:
             if self._outage_until is not None and time.monotonic() >= self._outage_until:
                 self._outage_until = None
             fail = False
-            if self._only is None or self._only in path:
+            if (self._only is None or self._only in path) and (self._methods is None or method in self._methods):
                 fail = self._outage_until is not None or (self._fraction > 0 and self._rng.random() < self._fraction)
             self._counts["failed" if fail else "forwarded"] += 1
             self._history.append((method, path, fail))
@@ -250,6 +263,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer_error(self, error: tuple[int, str, str]) -> None:
         status, code, message = error
+        if status == HANG:  # no answer while the fault lasts (stop() ends it too: every thread is joined)
+            while self.server.proxy._hangs():
+                time.sleep(0.05)
+            self.close_connection = True
+            return
         if status == RESET:  # a dropped connection: no answer at all, an RST instead of a FIN
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True

@@ -31,11 +31,23 @@ def _warm_imports():
     train_steps(model, opt, 1, seed=0)
 
 
-def ckpt_files(run_dir: Path, step: int) -> dict[str, bytes]:
-    """Every file of a checkpoint but the manifest (which records the creation time)."""
+def ckpt_files(run_dir: Path, step: int) -> dict[str, object]:
+    """Every file of a checkpoint but the manifest (which records the creation time); a sidecar as
+    its decoded body less its save id (every save has its own)."""
+    from podtrain.ckpt import sidecar
+
     folder = run_dir / "ckpt" / layout.step_name(step)
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != layout.MANIFEST}
+    out: dict[str, object] = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != layout.MANIFEST:
+            data = p.read_bytes()
+            if p.name.startswith("meta_"):
+                body = sidecar.decode(data, str(p))
+                body.pop("save_id")
+                out[p.relative_to(folder).as_posix()] = body
+            else:
+                out[p.relative_to(folder).as_posix()] = data
+    return out
 
 
 def _save_and_resume(rank, world, run_dirs, budget_mb):

@@ -225,7 +225,7 @@ def _to_format_2(folder: Path) -> None:
         manifest["files"][rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     manifest["files"].update(files)
     manifest["format"] = "podtrain-ckpt/2"
-    for key in ("ranks", "mesh"):
+    for key in ("ranks", "mesh", "crc32", "save_id"):  # what format 2 did not have (the CRC sealed format 3's)
         manifest.pop(key)
     for info in manifest["tensors"].values():
         info.pop("rule"), info.pop("replica", None)

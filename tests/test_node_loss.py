@@ -36,8 +36,9 @@ def agent(repo: Path, run_dir: Path, data: Path, port: int, addr: str, node_dir:
           fault: str | None = None, ckpt_args: tuple[str, ...] = LOCAL_TIER, nnodes: int = 2) -> subprocess.Popen:
     """One node's torchrun agent of ``nnodes`` (its own session: killing the node kills the agent and its rank)."""
     node_dir.mkdir(parents=True, exist_ok=True)
+    # Each agent is a host of its own (the replicas are placed by host name): its address names it
     env = {**(fault_env(fault) if fault else os.environ), "PEERS_NODE_DIR": str(node_dir),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+           "PODTRAIN_HOSTNAME": f"node-{addr}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodeloss",
            "--rdzv-conf", "join_timeout=60", "--max-restarts", "1", "--local-addr", addr,

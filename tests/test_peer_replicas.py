@@ -1,6 +1,7 @@
 """Peer replicas of the node-local tier (``ckpt.local_replicas``) on real ranks: forked processes
-over gloo, each rank a "node" of its own (GROUP_RANK, one rank per node) with its own local
-directory; a lost node's directory is deleted, a moved host's directory changes hands."""
+over gloo, each rank a "node" of its own (its own host name, ``PODTRAIN_HOSTNAME``, which is what
+places the replicas) with its own local directory; a lost node's directory is deleted, a moved
+host's directory changes hands. Nodes with several ranks share a host name and a directory."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from podtrain.errors import UserError
 from test_ckpt_tiers import _model, _train, _warm_imports, _weights  # noqa: F401 (a fixture)
 
 
-def _node_ctx(rank: int):
-    """This forked rank as the only rank of node ``rank``."""
-    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+def _node_ctx(rank: int, host: str | None = None):
+    """This forked rank as the only rank of node ``rank`` (or a rank of host ``host``)."""
+    os.environ.update({"GROUP_RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "PODTRAIN_HOSTNAME": host or f"node{rank}"})
     return gloo_context()
 
 
@@ -156,8 +158,9 @@ def test_every_host_moved_each_rank_sends_and_receives_at_once(tmp_path):
 
 def _paused(rank, world, base):
     """Rank 0 holds its replicator back (two ``pause`` calls, as two overlapping saves would) while
-    a local save of step 2 commits on both ranks: nothing of step 2 is copied until both resume."""
-    import time
+    a local save of step 2 commits on both ranks: nothing of step 2 is copied until both resume.
+    The hold is observed, not slept on: ``held`` is set once the copying thread waits for it."""
+    import torch.distributed as dist
 
     net, opt = _model()
     ck = Checkpointer(Path(base) / "run", _cfg(base, rank), _node_ctx(rank))
@@ -174,12 +177,16 @@ def _paused(rank, world, base):
     ck._settle(True, True)  # step 2 committed on every rank (not ck.wait: that waits for the replicas)
     held = Path(base) / f"node{1 - rank}"
     copy2 = f"*/step_000002/replica_of_rank_{rank:05d}/rank_{rank:05d}.json"
-    for release in (True, True, False):
-        time.sleep(0.5)
-        seen.append((replicator.replicated, bool(list(held.glob(copy2)))))
-        if rank == 0 and release:
-            replicator.resume()
-    ck.wait()
+    if rank == 0:  # the copies of step 2 began and now wait for the two holds, between two messages
+        assert replicator.held.wait(30)
+    dist.barrier()  # ... so both ranks look while rank 0's copies wait
+    seen.append((replicator.replicated, bool(list(held.glob(copy2)))))
+    dist.barrier()
+    if rank == 0:
+        replicator.resume()  # one hold left: still waiting
+        seen.append((replicator.replicated, replicator.held.is_set()))
+        replicator.resume()
+    assert replicator.wait_idle(30)  # (ck.wait has nothing left to wait for: _settle took the save)
     seen.append((replicator.replicated, bool(list(held.glob(copy2)))))
     ck.close()
     return seen
@@ -190,23 +197,42 @@ def test_replicas_wait_for_every_pause_to_be_resumed(tmp_path):
     seen = run_ranks(_paused, 2, str(tmp_path))
     # step 1 replicated before the pause; step 2 held back while rank 0 had a pause outstanding
     # (after one resume still one); copied once both were resumed
-    assert seen[0][:2] == [(1, False), (1, False)] and seen[1][:2] == [(1, False), (1, False)]
-    assert seen[0][3] == (2, True) and seen[1][3] == (2, True)
+    assert seen[0] == [(1, False), (1, True), (2, True)]
+    assert seen[1] == [(1, False), (2, True)]
 
 
-def test_ring_placement_and_source_plan():
-    assert replicas.Ring.of(0, 4, 1, 8, 1) == replicas.Ring((9,), (25,))
-    assert replicas.Ring.of(3, 4, 0, 2, 2) == replicas.Ring((0, 2), (4, 2))
-    assert replicas.Ring.of(0, 1, 0, 8, 1) == replicas.Ring((), ())  # one node: no peers
-    assert replicas.Ring.of(1, 2, 0, 1, 5).targets == (0,)  # capped at the other nodes
+def test_ring_placement_by_host_name_and_source_plan():
+    block = [f"h{r // 8}" for r in range(32)]  # 4 nodes of 8, torchrun's numbering
+    assert replicas.Ring.over_hosts(block, 1, 1) == replicas.Ring((9,), (25,))
+    assert replicas.Ring.over_hosts([f"h{r // 2}" for r in range(8)], 6, 2) == replicas.Ring((0, 2), (4, 2))
+    assert replicas.Ring.over_hosts(["a"] * 8, 0, 1) == replicas.Ring((), ())  # one node: no peers
+    assert replicas.Ring.over_hosts(["a", "b"], 1, 5).targets == (0,)  # capped at the other nodes
+    # srun's cyclic distribution: rank r on node r % 2; each copy goes to the other host
+    cyclic = ["a", "b", "a", "b"]
+    assert [replicas.Ring.over_hosts(cyclic, r, 1) for r in range(4)] == [
+        replicas.Ring((1,), (1,)), replicas.Ring((0,), (0,)), replicas.Ring((3,), (3,)), replicas.Ring((2,), (2,))]
+    # uneven: 2 ranks on a, 1 on b: the second rank of a has no peer, the others pair up
+    uneven = ["a", "a", "b"]
+    assert [replicas.Ring.over_hosts(uneven, r, 1) for r in range(3)] == [
+        replicas.Ring((2,), (2,)), replicas.Ring((), ()), replicas.Ring((0,), (0,))]
+    assert replicas.unreplicated(uneven, 1) == [1] and replicas.unreplicated(cyclic, 1) == []
+    assert replicas.unreplicated(cyclic, 0) == [0, 1, 2, 3]
+    # who looks after which files in a node's directory: its own, its sources', a share of the rest
+    assert replicas.looked_after(cyclic, 0, 1) == [0, 1] and replicas.looked_after(cyclic, 2, 1) == [2, 3]
+    assert replicas.looked_after(uneven, 0, 1) == [0, 2] and replicas.looked_after(uneven, 1, 1) == [1]
     # rank 1's host was replaced: it holds nothing; rank 0 holds rank 1's replica of step 5
-    assert replicas.plan_sources([[[4, [0, 1]], [5, [0, 1]]], []], 2) == (5, {0: 0, 1: 0})
+    a, b = "0000000000000001aaaa", "0000000000000002bbbb"  # two saves, b the later
+    assert replicas.plan_sources([[[4, [[0, a], [1, a]]], [5, [[0, b], [1, b]]]], []], 2) == (5, b, {0: 0, 1: 0})
     # hosts moved: rank 0 holds owner 1's part as its own files, rank 1 holds owner 0's
-    assert replicas.plan_sources([[[5, [1]]], [[5, [0]]]], 2) == (5, {0: 1, 1: 0})
-    assert replicas.plan_sources([[[5, [0]]], [[4, [1]]]], 2) is None  # no step held whole
+    assert replicas.plan_sources([[[5, [[1, a]]]], [[5, [[0, a]]]]], 2) == (5, a, {0: 1, 1: 0})
+    assert replicas.plan_sources([[[5, [[0, a]]]], [[4, [[1, a]]]]], 2) is None  # no step held whole
+    # two saves of step 5 (a rollback saved it again): pieces of the other save count as missing
+    assert replicas.plan_sources([[[5, [[0, b], [1, a]]]], []], 2) is None
+    assert replicas.plan_sources([[[4, [[0, a], [1, a]]], [5, [[0, b], [1, a]]]], []], 2) == (4, a, {0: 0, 1: 0})
+    assert replicas.plan_sources([[[5, [[0, a], [1, a]]]], [[5, [[0, b], [1, b]]]]], 2) == (5, b, {0: 1, 1: 1})
     # the sends spread over the holders
-    assert replicas.plan_sources([[[7, [1, 2]]], [[7, [1, 2]]], [], [[7, [0, 3]]]], 4) == (
-        7, {0: 3, 1: 1, 2: 0, 3: 3})
+    assert replicas.plan_sources([[[7, [[1, a], [2, a]]]], [[7, [[1, a], [2, a]]]], [], [[7, [[0, a], [3, a]]]]],
+                                 4) == (7, a, {0: 3, 1: 1, 2: 0, 3: 3})
     with pytest.raises(UserError, match="local_replicas"):
         load_config(None, ["ckpt.local_replicas=-1"])
     assert layout.parse_step(replicas.replica_dir(3)) is None

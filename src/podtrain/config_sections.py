@@ -169,9 +169,9 @@ class CkptSection:
     """Seconds without a heartbeat after which another job may take over this run's lease
     (RUN_DIR/lease, CKPT_DIR/lease); a restart of the same job takes it at once."""
     save_wait_s: float = 10.0
-    """The longest the step loop waits for the previous save when the next one is due (not at
-    all once the ranks have seen the storage failing); a save still being written then makes this
-    one skipped, with a warning."""
+    """The longest the step loop waits for the previous save when the next one is due. A previous
+    save still retrying on a failing storage is cancelled first (the newest state wins) and waited
+    for this long to end; one still being written then makes this one skipped, with a warning."""
     max_outage_s: float = 1800.0
     """Seconds the storage may keep failing saves before the run stops with exit code 203
     (retryable: Kubernetes' ExitCode policy and podtrain's Slurm script requeue it); shorter

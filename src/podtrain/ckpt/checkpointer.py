@@ -60,12 +60,15 @@ from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import unwrap
 from podtrain.storage.errors import Transient
-from podtrain.storage.retry import RetryPolicy
+from podtrain.storage.retry import Deadline, RetryPolicy
 
 LEASE_RETRY_S = 10.0
 """The storage retry budget of one lease operation (a renewal, the release)."""
 ABANDON_WAIT_S = 30.0
 """How long an abandoned save may take to notice (its current request's own timeout)."""
+CLOSE_RESERVE_S = 3.0
+"""At a stop, the part of the deadline the saves leave to the lease's release and the threads'
+ends (at most this, at most a fifth of what is left)."""
 
 
 class StorageOutage(Transient):
@@ -202,24 +205,31 @@ class Checkpointer(RestoreMixin):
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False,
-             must: bool = False) -> bool:
+             must: bool = False, deadline: Deadline | None = None) -> bool:
         """Copy this rank's share to host memory now, write it in the background (every rank, same
         step) to the durable tier, or to the node-local one (``local``); False when skipped.
 
-        At most one save per tier is in flight (its host buffers are reused): when the tier's
-        previous one is still being written ``ckpt.save_wait_s`` after this one is due (slow or
-        unreachable storage), this one is skipped on every rank alike and training goes on,
-        unless ``must`` (the last step), which waits for it. A tier never waits for the other. Saving the step that was just saved durably (a stop
-        signal right after a scheduled save) does nothing."""
+        At most one save per tier is in flight (its host buffers are reused). The newest state
+        wins: when the tier's previous save is still retrying (its storage failing) as this one is
+        due, it is cancelled (nothing of it commits) and this one saved once it has ended. A
+        previous save that is merely slow gets ``ckpt.save_wait_s``; if it (or a cancelled one) has
+        not ended on every rank by then, this save is skipped on every rank alike and training goes
+        on, unless ``must`` (the last step), which waits for it. ``deadline`` (a stop signal): any
+        previous save is cancelled at once and waited for until then at most. A tier never waits
+        for the other. Saving the step that was just saved durably (a stop signal right after a
+        scheduled save) does nothing."""
         if step == self._last_step:
             log.info("step %d is already checkpointed", step)
             return True
         t0 = time.perf_counter()
-        if not self._settle(must, local):
+        if not self._settle(must, local, deadline, step):
             if self.ctx.is_main:
-                log.warning("checkpoint step %d skipped: the save of step %d is still being written after "
-                            "%.0f s (ckpt.save_wait_s; the storage is slow or unreachable); training goes on",
-                            step, self._in_flight(local).step, time.perf_counter() - t0)
+                job = self._in_flight(local)
+                log.warning("checkpoint step %d skipped: the save of step %d is still %s after %.0f s (%s; "
+                            "the storage is slow or unreachable)%s", step, job.step,
+                            "ending (cancelled)" if job.cancel.cancelled else "being written",
+                            time.perf_counter() - t0, "the stop's grace period" if deadline is not None
+                            else "ckpt.save_wait_s", "" if deadline is not None else "; training goes on")
             return False
         waited = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -257,36 +267,72 @@ class Checkpointer(RestoreMixin):
         """The save in flight of one tier."""
         return self._pending_local if local else self._pending
 
-    def _settle(self, must: bool, local: bool = False) -> bool:
+    def _settle(self, must: bool, local: bool = False, deadline: Deadline | None = None,
+                step: int | None = None) -> bool:
         """Every rank, when a save is due: is the tier's previous one finished on every rank
         (waiting up to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
         or, for a transient storage fault, logged; a storage outage longer than
-        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). One MAX
-        all_reduce of two numbers per round, at save steps only, so every rank decides the same (only rank 0,
-        which commits, may see the storage fail while the others wait for it)."""
+        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable).
+
+        The newest state wins: a previous save that is still retrying on any rank (its store's
+        operations failing) is cancelled (``SaveJob.cancel``: its retries end, nothing of it
+        commits), then waited for ``ckpt.save_wait_s`` more (a try in flight ends first), so the
+        due step is saved as soon as the storage answers again, not after the stale save's
+        backoff. At a stop (``deadline``) it is cancelled whatever it is doing, and waited for
+        until the deadline at most. One MAX all_reduce of four numbers per round, at save steps only, so every rank decides the same (only rank 0,
+        which commits, may see the storage fail while the others wait for it; the deadline's
+        expiry is agreed too, since the signal reached each rank at its own moment)."""
         job = self._in_flight(local)
         if job is None:
             return True
+        store = self.local if local else self.store
 
         def failing() -> float | None:  # since when durable saves fail: a failed save, or the store now
             if local:  # an outage is the durable storage's (the local tier is this node's disk)
                 return None
             return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
 
-        while True:  # every rank runs the same iterations: each ends in the same all_gather
+        cancelled, after_cancel = False, 0.0
+        while True:  # every rank runs the same iterations: each ends in the same all_reduce
             # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
-            # last step's save (must) waits in 1 s rounds until done or past the outage bound.
-            job.done.wait(1.0 if must else 0.0 if self._failing_agreed and not local else self.cfg.save_wait_s)
+            # last step's save (must) waits in 1 s rounds until done or past the outage bound; a
+            # cancelled save, and any at a stop, is asked about in rounds of at most 1 s.
+            if cancelled or (deadline is not None and must):
+                pause = min(1.0, self.cfg.save_wait_s) if deadline is None else 1.0
+            elif deadline is not None:
+                pause = 0.0  # a stop: ask at once, then cancel
+            else:
+                pause = 1.0 if must else 0.0 if self._failing_agreed and not local else self.cfg.save_wait_s
+            if deadline is not None:
+                pause = min(pause, deadline.remaining())
+            job.done.wait(pause)
+            after_cancel += pause if cancelled else 0.0
             here = job.done.is_set()
             # An outage is time since saves began failing (only rank 0 may know: it commits),
             # never a healthy save that is merely slow.
             since = failing()
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
-            not_done, outage = self.ctx.all_reduce_max([0.0 if here else 1.0, outage_here])
+            retrying_here = not here and store.retry.failing_since is not None
+            late_here = deadline is not None and deadline.expired
+            not_done, outage, retrying, late = self.ctx.all_reduce_max(
+                [0.0 if here else 1.0, outage_here, float(retrying_here), float(late_here)])
             done = not_done == 0.0
             if not local:
                 self._failing_agreed = outage > 0
-            if done or not must or outage > self.cfg.max_outage_s:
+            if done or late > 0 or outage > self.cfg.max_outage_s:
+                break
+            if not cancelled and (deadline is not None or retrying > 0):
+                why = ("a stop signal: the current step is saved instead" if deadline is not None else
+                       f"step {step} is due: the newest state is saved instead")
+                job.cancel.cancel(why)
+                cancelled = True
+                if self.ctx.is_main:
+                    log.warning("the %s save of step %d is %s: cancelled (%s)", "local" if local else "durable", job.step,
+                                "still retrying (the storage is failing)" if retrying > 0 else "still in flight", why)
+                continue
+            if cancelled and (must or deadline is not None or after_cancel < self.cfg.save_wait_s):
+                continue  # the agreed rounds: every rank sums the same pauses
+            if not must or cancelled:
                 break
         if done:
             self._finish(job)
@@ -318,7 +364,7 @@ class Checkpointer(RestoreMixin):
             if self._outage_since is None:
                 self._outage_since = self.store.retry.failing_since or job.submitted
             if self.ctx.is_main:
-                log.warning("%s; training goes on and the next save tries again (the newest checkpoint "
+                log.warning("%s; nothing of it is committed, the next save tries again (the newest checkpoint "
                             "is still %s)", job.error, self._newest_name())
             return
         if isinstance(job.error, SaveAbandoned):
@@ -335,8 +381,9 @@ class Checkpointer(RestoreMixin):
         return f"{self.store.url}/{layout.step_name(self._newest)}" if self._newest is not None else "a fresh start"
 
     def abandon(self) -> None:
-        """Make the save in flight give up at its next storage retry (a stop signal during an
-        outage must exit within ``ckpt.grace_s``): the stores stop retrying for good."""
+        """Make every save in flight give up at its next storage retry, for good: the stores stop
+        retrying (the run is ending: an outage past its bound, a lost lease, the end of a stop's
+        grace period). To give up one save and go on saving, cancel its job (``SaveJob.cancel``)."""
         for store in (self.store, self.local):
             policy = getattr(store, "retry", None)
             if policy is not None:
@@ -389,53 +436,71 @@ class Checkpointer(RestoreMixin):
         self._discarded = True
         self.abandon()
 
-    def wait(self, timeout: float | None = None, final: bool = False,
-             abandon_wait_s: float = ABANDON_WAIT_S) -> float:
+    def wait(self, timeout: float | None = None, final: bool = False, deadline: Deadline | None = None) -> float:
         """Block until the saves in flight (durable, then local) are committed (a local one: and
         its peer replicas, when it was replicated); seconds waited. Raises on every rank when one
         failed (``SaveFailed`` for a storage problem: one line naming the newest checkpoint;
-        a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds a
-        save is abandoned (``abandon``) and no longer waited for."""
-        return sum(self._wait_for(job, timeout, final, abandon_wait_s)
+        a transient fault only when ``final``: ``StorageOutage``). After ``timeout`` seconds, or
+        at ``deadline`` (one for both tiers), a save still in flight is cancelled (its retries
+        end, nothing of it commits) and no longer waited for: it stays the tier's save in flight
+        until it has ended (the next due save settles it)."""
+        if timeout is not None:
+            bound = Deadline.after(timeout)
+            deadline = bound if deadline is None or bound.at < deadline.at else deadline
+        return sum(self._wait_for(job, final, deadline)
                    for job in (self._pending, self._pending_local) if job is not None)
 
-    def _wait_for(self, job: SaveJob, timeout: float | None, final: bool, abandon_wait_s: float) -> float:
+    def _wait_for(self, job: SaveJob, final: bool, deadline: Deadline | None) -> float:
         t0 = time.perf_counter()
-        if not job.done.wait(timeout):
-            log.warning("the save of step %d is still being written after %.0f s: abandoned (the storage "
-                        "is slow or unreachable)", job.step, time.perf_counter() - t0)
-            self.abandon()
-            if not job.done.wait(abandon_wait_s):  # the writer thread is left to finish alone
-                if job.local:
-                    self._pending_local = None
-                else:
-                    self._pending, self._last_step = None, None
-                return time.perf_counter() - t0
+        if not job.done.wait(None if deadline is None else deadline.remaining()):
+            log.warning("the save of step %d is still being written after %.1f s: cancelled, no longer waited "
+                        "for (the storage is slow or unreachable; nothing of it commits)", job.step,
+                        time.perf_counter() - t0)
+            job.cancel.cancel("it was waited for until its deadline")
+            return time.perf_counter() - t0
         self._finish(job, final=final)
         replicator = self._local_writer.replicator if job.local and self._local_writer is not None else None
         if replicator is not None:  # a caller that waits for a local save waits for its replicas too
-            replicator.wait_idle()
+            replicator.wait_idle(timeout=None if deadline is None else deadline.remaining())
         return time.perf_counter() - t0
 
-    def close(self) -> None:
-        """Wait for the in-flight save, stop the thread, release the group and the lease (every
-        exit path)."""
+    def close(self, deadline: Deadline | None = None) -> bool:
+        """Wait for the saves in flight, stop the threads, release the groups and the lease (every
+        exit path); False when a thread was left waiting on the storage (only with a deadline).
+
+        ``deadline`` (a stop signal's: ``ckpt.grace_s`` after it, less the process's exit): the
+        whole of this ends by then. The saves get it less ``CLOSE_RESERVE_S`` (the lease and the
+        threads' ends get the rest); a save still in flight then is cancelled, the stores stop
+        retrying for good, and its writer thread (a daemon) is left to end with the process; a
+        transient failure is logged, not raised (the stop's exit code stands). A save already
+        given up (a lost lease, an outage past its bound) gets ``ABANDON_WAIT_S`` to notice."""
+        if deadline is None and (self._discarded or self.store.retry.abandoned):
+            deadline = Deadline.after(ABANDON_WAIT_S)
         try:
-            if self._discarded:
-                try:
-                    self.wait(timeout=ABANDON_WAIT_S)
-                except Exception as exc:  # the run is another job's now: nothing to report of ours
-                    log.debug("the abandoned save ended with: %s", exc)
-            else:
+            if deadline is None:
                 self.wait(final=True)
+            else:
+                try:
+                    self.wait(deadline=deadline.sooner(min(CLOSE_RESERVE_S, deadline.remaining() / 5)))
+                except Exception as exc:
+                    if not self._discarded:
+                        raise
+                    log.debug("the abandoned save ended with: %s", exc)  # the run is another job's now
+                finally:
+                    if any(job is not None and not job.done.is_set() for job in (self._pending, self._pending_local)):
+                        self.abandon()  # the process is ending: no retry of it goes on
         finally:
+            def left() -> float | None:
+                return None if deadline is None else deadline.remaining()
+
+            released = True
             if self._lease is not None:
-                self._lease.release()
+                released = self._lease.release(deadline_s=left())
             self._fence.release()
-            self._writer.close()
+            stopped = self._writer.close(timeout=left()) and released
             if self._local_writer is not None:
-                self._local_writer.close()
+                stopped = self._local_writer.close(timeout=left()) and stopped
             self._pool.close()
             if self._local_pool is not None:
                 self._local_pool.close()
-
+        return stopped  # this checkpointer's threads only: other trainings of the process are theirs

@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -209,6 +210,18 @@ def refuse_pickles(store, name: str, entries: list[Entry] | None = None) -> None
                 "unpickles checkpoint files (unpickling can run arbitrary code); remove it or set ckpt.resume")
 
 
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """A manifest's bytes: compact JSON in the dict's order (parsing keeps the order, so the same
+    bytes come back from a parsed manifest: what its CRC-32 is checked against)."""
+    return json.dumps(manifest, separators=(",", ":")).encode()
+
+
+def sealed_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes to write for ``manifest``: it with a ``crc32`` of itself last, so that a changed
+    byte that still parses (a digit, a letter of a key) is found, like the sidecars' and data's."""
+    return encode_manifest({**manifest, "crc32": zlib.crc32(encode_manifest(manifest))})
+
+
 def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
     """Parse checkpoint ``name``'s manifest. ValueError says what is wrong (an unfinished save, a
     damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it. ``size``:
@@ -222,6 +235,10 @@ def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
+    if isinstance(manifest, dict) and "crc32" in manifest:  # manifests before the CRC have none
+        if manifest["crc32"] != zlib.crc32(encode_manifest({k: v for k, v in manifest.items() if k != "crc32"})):
+            raise ValueError("manifest.json fails its CRC-32 check (damaged)")
+        del manifest["crc32"]
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt in OLD_FORMATS:
         raise UserError(f"checkpoint {store.url}/{name} has {OLD_FORMATS[fmt]}, which this podtrain no "
@@ -326,20 +343,53 @@ def _step_dirs(store) -> list[tuple[int, str]]:
     return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
 
 
-def clean_stale(store, listing: StepListing | None = None) -> list[str]:
+def clean_stale(store, listing: StepListing | None = None, tidy: "Housekeeping | None" = None) -> list[str]:
     """Remove unfinished saves (step directories without a manifest) and temporary leftovers;
-    ``listing``: the store's ``scan`` when the caller has one (else one is made here)."""
+    ``listing``: the store's ``scan`` when the caller has one (else one is made here). Best effort
+    (``tidy``): a delete the storage refuses is a warning, never a reason not to start."""
+    tidy = tidy if tidy is not None else Housekeeping()
     removed = (listing if listing is not None else scan(store)).unfinished
-    for name in removed:
-        store.delete_prefix(name + "/")  # temporaries of its killed writers included
-    return removed
+    return [name for name in removed
+            if tidy.attempt(store, "remove the unfinished save " + name, store.delete_prefix, name + "/")]
 
 
 def remove(store, name: str) -> None:
     """Delete checkpoint ``name``: its manifest first, so that a kill mid-way (a store deletes file
-    by file) leaves an unfinished save, never a committed checkpoint with files missing."""
+    by file) leaves an unfinished save, never a committed checkpoint with files missing. Raises
+    what the store raises; housekeeping goes through ``Housekeeping.remove`` instead."""
     store.delete(f"{name}/{MANIFEST}")
     store.delete_prefix(name + "/")
+
+
+class Housekeeping:
+    """Deletes that must never stop training (retention, the clean-up of unfinished saves, a
+    failed save's leftovers): a storage that refuses one (a bucket with object lock or without
+    ``s3:DeleteObject``, an outage, a full disk) is a warning, said once per store and kind of
+    failure for the life of this object (one per writer), and the caller goes on."""
+
+    def __init__(self) -> None:
+        self._said: set[tuple[str, str]] = set()
+
+    def attempt(self, store, what: str, fn: Callable[..., Any], *args) -> bool:
+        """``fn(*args)``; False (and a warning the first time) when the storage refused it."""
+        try:
+            fn(*args)
+            return True
+        except (StorageError, OSError) as exc:
+            key = (str(store.url), type(exc).__name__)
+            if key not in self._said:
+                self._said.add(key)
+                log.warning("could not %s in %s: %s; training goes on (checkpoints this run cannot delete "
+                            "stay; this is said once per kind of failure)", what, store.url, exc)
+            return False
+
+    def remove(self, store, name: str) -> bool:
+        """``remove`` a checkpoint, best effort. False when its manifest could not be deleted
+        (it may still stand: the checkpoint is then left whole); the rest is tried only after it."""
+        if not self.attempt(store, f"delete {name}/{MANIFEST}", store.delete, f"{name}/{MANIFEST}"):
+            return False
+        self.attempt(store, f"delete the files of {name}", store.delete_prefix, name + "/")
+        return True
 
 
 def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: int,
@@ -369,13 +419,15 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
 
 
 def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None = None,
-                    listing: StepListing | None = None) -> None:
+                    listing: StepListing | None = None, tidy: Housekeeping | None = None) -> None:
     """Carry out ``retention_plan`` after saving ``current`` over the checkpoints of ``lineage``
     (None: all): delete, or move to ``abandoned/``
     (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
     through the client would move every byte through this node; a bucket with versioning keeps
     them recoverable). One ``scan`` (``listing``, else made here); a checkpoint's lineage is read
-    (its manifest: one GET on S3) only where the plan depends on it."""
+    (its manifest: one GET on S3) only where the plan depends on it. Every delete is best effort
+    (``tidy``, ``Housekeeping``): a refused one is a warning, and ``current`` is never touched."""
+    tidy = tidy if tidy is not None else Housekeeping()
     listing = listing if listing is not None else scan(store)
     complete = [s for s, _ in listing.committed]
     # another run's checkpoints (those from before lineages count as this run's) are never touched
@@ -387,15 +439,15 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int, lineag
         if src is None:
             log.warning("deleting %s/%s (newer than this run's step %d, from an earlier timeline)",
                         store.url, step_name(step), current)
-            remove(store, step_name(step))
+            tidy.remove(store, step_name(step))
             continue
         dst = src.parent / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
-        dst.parent.mkdir(exist_ok=True)
         log.warning("moving %s (newer than this run's step %d, from an earlier timeline) to %s",
                     src, current, dst)
-        os.rename(src, dst)
+        tidy.attempt(store, f"move {src.name} aside", lambda: (dst.parent.mkdir(exist_ok=True), os.rename(src, dst)))
     for step in delete:
-        remove(store, step_name(step))
+        if step != current:  # retention_plan never names it: kept explicit, the newest is never deleted here
+            tidy.remove(store, step_name(step))
 
 
 def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None:

@@ -13,9 +13,13 @@ layout is the durable one (``podtrain.ckpt.layout``), plus one marker per rank::
 Each run keeps its own folder (``podtrain.ckpt.lineage``): runs that share one ``ckpt.local_dir``
 (one base YAML) never see, restore or prune each other's steps.
 
-A step is complete when EVERY rank holds its marker and rank 0 holds the manifest: at start every
-rank lists the steps it holds (``held_steps``), one all_gather intersects them, and rank 0
-restores the newest common step when it is at least as new as the newest durable checkpoint
+Every save has an id (``SaveJob.save_id``), in every marker, sidecar and manifest, and so in
+every replica: a step saved twice (a rollback, then the same step again) is two saves, and a
+restore never combines their pieces.
+
+A step is complete when EVERY rank holds its marker and rank 0 holds the manifest, all of one
+save: at start every rank lists the ``(step, save id)`` it holds (``held_steps``), one all_gather
+intersects them, and rank 0 restores the newest common step (its manifest naming that save) when it is at least as new as the newest durable checkpoint
 (broadcasting the manifest and the small files, which only its node has: ``WithSmallFiles``).
 Each rank then reads its own pieces from its own disk, which works when the world size and the
 strategy are the saved ones (a rank needing another node's file finds it missing: every rank
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from podtrain.ckpt import layout
 from podtrain.ckpt.sidecar import sidecar
@@ -50,10 +55,10 @@ def own_files(rank: int) -> list[str]:
 
 
 def write_marker(store, name: str, rank: int, world: int, record: tuple | None,
-                 lineage: str | None = None) -> None:
+                 lineage: str | None = None, save_id: str | None = None) -> None:
     """Commit this rank's part of local step ``name`` (after its piece file is in place); the
-    marker names the run's lineage."""
-    body = {"world_size": world, "lineage": lineage, "file": record[0] if record else None,
+    marker names the run's lineage and the save."""
+    body = {"world_size": world, "lineage": lineage, "save_id": save_id, "file": record[0] if record else None,
             "bytes": record[1]["bytes"] if record else 0}
     store.write_bytes(f"{name}/{marker(rank)}", json.dumps(body).encode())
 
@@ -75,51 +80,60 @@ def _own_steps(store, rank: int) -> list[tuple[int, str]]:
                   and store.exists(f"{n}/{marker(rank)}"))
 
 
-def held_steps(store, rank: int, world: int) -> list[int]:
-    """Local steps whose part this rank holds for a run of ``world`` ranks: its marker, its piece
-    file at the marked size, and on rank 0 the manifest. Unfinished parts are removed first."""
+def held_steps(store, rank: int, world: int) -> list[tuple[int, str | None]]:
+    """``(step, save id)`` of the local steps whose part this rank holds for a run of ``world``
+    ranks: its marker, its piece file at the marked size, and on rank 0 the manifest of the same
+    save. Unfinished parts are removed first."""
     for name in store.list_dirs(""):
         if layout.parse_step(name) is not None and not store.exists(f"{name}/{marker(rank)}"):
             clear(store, name, rank)
-    return [step for step, name in _own_steps(store, rank) if usable(store, name, rank, world)]
+    return [(step, body.get("save_id")) for step, name in _own_steps(store, rank)
+            if (body := part(store, name, rank, world)) is not None]
 
 
-def usable(store, prefix: str, owner: int, world: int) -> bool:
-    """Whether rank ``owner``'s committed part under ``prefix`` (a step folder or a replica folder
-    in it) belongs to a run of ``world`` ranks and is whole: its marker, its piece file at the
-    marked size, and for rank 0 the manifest."""
+def part(store, prefix: str, owner: int, world: int) -> dict | None:
+    """Rank ``owner``'s marker under ``prefix`` (a step folder or a replica folder in it) when its
+    committed part belongs to a run of ``world`` ranks and is whole: the marker, its piece file at
+    the marked size, and for rank 0 the manifest, of the save the marker names; else None."""
     try:
         body = json.loads(store.read_bytes(f"{prefix}/{marker(owner)}"))
         ok = body.get("world_size") == world and (
             body.get("file") is None or store.size(f"{prefix}/{body['file']}") == body.get("bytes"))
         if ok and owner == 0:
-            ok = layout.read_manifest(store, prefix).get("world_size") == world
+            manifest = layout.read_manifest(store, prefix)
+            ok = manifest.get("world_size") == world and manifest.get("save_id") == body.get("save_id")
     except (ValueError, NotFound, StorageError, AttributeError) as exc:
         log.warning("local checkpoint %s/%s is not usable for rank %d: %s", store.url, prefix, owner, exc)
         ok = False
-    return ok
+    return body if ok else None
 
 
-def newest_common(held_by_rank: list[list[int]]) -> int | None:
-    """The newest step every rank holds (pure)."""
+def usable(store, prefix: str, owner: int, world: int) -> bool:
+    """Whether rank ``owner``'s committed part under ``prefix`` is whole (``part``)."""
+    return part(store, prefix, owner, world) is not None
+
+
+def newest_common(held_by_rank: list[list]) -> Any:
+    """The newest item every rank holds (pure): a step, or a ``(step, save id)``."""
     common = set(held_by_rank[0]) if held_by_rank else set()
     for held in held_by_rank[1:]:
         common &= set(held)
     return max(common) if common else None
 
 
-def prune(store, rank: int, current: int, keep: int, others=(), drop=None, protect_from: int | None = None) -> None:
+def prune(store, rank: int, current: int, keep: int, others=(), drop=None, protected=()) -> None:
     """After local step ``current``: this rank keeps the newest ``keep`` steps of this node's
     directory at or below it and drops its files of the rest (steps above it belong to a timeline
     this run left: the local tier is a cache, nothing to move aside), with the files it looks after
     for ``others`` (peer replicas, a moved host's files: ``drop``, ``podtrain.ckpt.replicas.drop``).
-    Steps above ``protect_from`` stay whatever ``keep`` says (peer replicas may be copying them).
+    Steps in ``protected`` stay whatever ``keep`` says (the peer replicas' round in flight: at most
+    the steps it may still copy, so retention never stops: ``Replicator.protected``).
     A failure is a warning: the save itself succeeded."""
     try:
         steps = [s for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None]
         delete, abandon = layout.retention_plan(steps, current, keep, 0)
         for step in delete + abandon:
-            if protect_from is not None and protect_from < step <= current:
+            if step in protected and step <= current:
                 continue
             clear(store, layout.step_name(step), rank)
             if drop is not None:

@@ -1,25 +1,31 @@
 """Peer replicas of the node-local tier (``ckpt.local_replicas: K``) and restoring a local step from
 whoever holds its pieces.
 
-Placement: a ring over nodes. Node ``n``'s rank with local rank ``l`` sends its files of a local
-step to the rank with local rank ``l`` on each of nodes ``n+1 .. n+K`` (mod the node count), so
-any ``K`` lost nodes leave a copy of every piece. One node means no replicas (nothing survives the
-node's loss there anyway). Ranks are numbered node by node (``rank = node * ranks_per_node +
-local_rank``), as torchrun and srun's block distribution give them.
+Placement: by host name, never by rank arithmetic. Every rank's host name is gathered once at
+start (``Ring.over_hosts``); a node is a host, the nodes in the order of their lowest rank, and a
+rank's position on its node is its index among that host's ranks (in rank order). The rank at
+position ``l`` of node ``n`` sends its files of a local step to the rank at position ``l`` of each
+of the next ``K`` nodes that have one (a ring over those nodes), so any ``K`` lost nodes leave a
+copy of every piece, whatever the launcher's distribution (block, or srun's cyclic one, where
+rank ``r + 1`` is on the next node). With uneven processes per node, a position that only one
+node has (a 9th rank on one node of 8-rank nodes) has no peer: its pieces are not replicated (said
+once at start). One node means no replicas (nothing survives the node's loss there anyway).
 
 A replica lives beside the holder's own files, under a name that says whose it is::
 
     LOCAL_DIR/<lineage>/step_000120/replica_of_rank_00003/rank_00003.safetensors
     LOCAL_DIR/<lineage>/step_000120/replica_of_rank_00003/rank_00003.json     (the marker, last)
 
-(rank 0's replicas also hold its manifest and small files). Files travel point to point over the
+(rank 0's replicas also hold its manifest and small files). A replica is of one save: its marker
+and sidecar name the save id, and a replica folder of an earlier save of the same step is removed
+before the new one's files arrive (and at the new save's start). Files travel point to point over the
 local writer's gloo group in ``CHUNK_BYTES`` pieces (isend + irecv posted together, so a ring
 never deadlocks and a rank holds at most two chunks in memory), in the background thread after
 the local save committed: the step loop never waits for them.
 
-Restore (``plan_sources``, ``repair``): every rank reports the (step, owner) pieces it holds,
-own or replica, or another owner's when ranks moved between hosts; the newest step whose pieces
-the ranks hold together wins; each rank missing its own pieces receives them from a holder and
+Restore (``plan_sources``, ``repair``): every rank reports the (step, owner, save id) pieces it
+holds, own or replica, or another owner's when ranks moved between hosts; the newest save whose
+pieces the ranks hold together wins (pieces of another save of the same step count as missing); each rank missing its own pieces receives them from a holder and
 commits them as its own files in its local directory, after which the ordinary local restore
 reads each rank's share from its own disk.
 """
@@ -44,6 +50,11 @@ CHUNK_BYTES = 8 << 20
 REPLICA_PREFIX = "replica_of_rank_"
 
 
+class CopyFailed(Exception):
+    """A file could not be read or written while copying, after the protocol ran to its end (the
+    peer got every message it expected): the copy failed, the group is fine."""
+
+
 def replica_dir(owner: int) -> str:
     """The folder of a step directory that holds rank ``owner``'s replica."""
     return f"{REPLICA_PREFIX}{owner:05d}"
@@ -57,11 +68,51 @@ class Ring:
     sources: tuple[int, ...]
 
     @classmethod
-    def of(cls, node: int, num_nodes: int, local_rank: int, ranks_per_node: int, k: int) -> "Ring":
-        """The ring over nodes (pure): ``k`` replicas, capped at the other nodes' count."""
-        k = max(0, min(k, num_nodes - 1))
-        return cls(tuple(((node + j) % num_nodes) * ranks_per_node + local_rank for j in range(1, k + 1)),
-                   tuple(((node - j) % num_nodes) * ranks_per_node + local_rank for j in range(1, k + 1)))
+    def over_hosts(cls, hosts: list[str], rank: int, k: int) -> "Ring":
+        """Rank ``rank``'s ring (pure; ``hosts[r]`` is rank r's host name, the same list on every
+        rank): ``k`` replicas on the next nodes that have a rank at its position, capped at their count."""
+        peers = same_position(hosts, rank)
+        here = peers.index(rank)
+        k = max(0, min(k, len(peers) - 1))
+        return cls(tuple(peers[(here + j) % len(peers)] for j in range(1, k + 1)),
+                   tuple(peers[(here - j) % len(peers)] for j in range(1, k + 1)))
+
+
+def nodes_of(hosts: list[str]) -> list[list[int]]:
+    """The ranks of each node (a host), nodes in the order of their lowest rank (pure)."""
+    nodes: dict[str, list[int]] = {}
+    for r, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(r)
+    return list(nodes.values())
+
+
+def same_position(hosts: list[str], rank: int) -> list[int]:
+    """The ranks at rank ``rank``'s position (index among its host's ranks) on every node that has
+    one, in node order: its ring (pure)."""
+    nodes = nodes_of(hosts)
+    position = next(ranks.index(rank) for ranks in nodes if rank in ranks)
+    return [ranks[position] for ranks in nodes if len(ranks) > position]
+
+
+def unreplicated(hosts: list[str], k: int) -> list[int]:
+    """The ranks whose pieces get no peer replica: no other node has a rank at their position
+    (uneven processes per node), or ``k`` is 0 (pure)."""
+    nodes = nodes_of(hosts)
+    having = [sum(1 for ranks in nodes if len(ranks) > position) for position in range(max(map(len, nodes)))]
+    return sorted(r for ranks in nodes for position, r in enumerate(ranks) if k <= 0 or having[position] < 2)
+
+
+def looked_after(hosts: list[str], rank: int, k: int) -> list[int]:
+    """The ranks whose files rank ``rank`` looks after in its node's directory (pure): its own, its
+    ring sources' (their replicas land here), and its share of the other nodes' remaining ranks (a
+    host that served another rank before leaves its files here). Each rank is looked after by
+    exactly one rank of a node, so ranks sharing a directory never race on a file."""
+    mine = next(ranks for ranks in nodes_of(hosts) if rank in ranks)
+    sources = {m: set(Ring.over_hosts(hosts, m, k).sources) for m in mine}
+    taken = set(mine).union(*sources.values())
+    rest = [o for o in range(len(hosts)) if o not in taken]
+    index = mine.index(rank)
+    return sorted({rank, *sources[rank], *(o for i, o in enumerate(rest) if i % len(mine) == index)})
 
 
 def files_of(store, prefix: str, owner: int) -> list[str]:
@@ -107,15 +158,17 @@ def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
     files from ``src`` into ``in_prefix`` (each side optional; both ranks of a pair call it).
     Each received file is committed atomically in the sent order (the marker last). Returns the
     bytes received; raises after the protocol ran to its end when a file could not be read or
-    written (the peer still got every chunk it expects, so no rank is left waiting)."""
-    header = None
+    written (``CopyFailed``: the peer still got every chunk it expects, so no rank is left waiting)."""
+    header, failure = None, None
     if dst is not None:
-        header = json.dumps([[rel, store.size(f"{out_prefix}/{rel}")] for rel in rels]).encode()
+        try:
+            header = json.dumps([[rel, store.size(f"{out_prefix}/{rel}")] for rel in rels]).encode()
+        except Exception as exc:  # nothing to send (retention took the step): the peer still gets
+            header, failure = b"[]", exc  # a header, of no files, and is not left waiting
     incoming = _exchange_header(header, dst, src, group) or []
     plan_in = _chunk_plan(incoming)
     plan_out = _chunk_plan(json.loads(header)) if header else []
     out_iter = _chunks(store, out_prefix, rels) if dst is not None else iter(())
-    failure: BaseException | None = None
     writer, current, received, writing = None, -1, 0, True
     for j in range(max(len(plan_in), len(plan_out))):
         if pace is not None:  # the replicator yields the disk to a local save in progress here
@@ -153,7 +206,7 @@ def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
             if writer is not None:
                 writer.abort()
     if failure is not None:
-        raise failure
+        raise CopyFailed(f"{type(failure).__name__}: {failure}") from failure
     return received
 
 
@@ -164,16 +217,15 @@ def replicate(store, name: str, rank: int, ring: Ring, group, pace=None) -> int:
     received = 0
     for dst, src in zip(ring.targets, ring.sources):
         where = f"{name}/{replica_dir(src)}"
-        store.delete_prefix(f"{where}/")  # an earlier timeline's replica of this step
+        # An earlier save's replica of this step (a rollback saved it again): gone, its marker
+        # first, before any file of this save arrives, so the folder never mixes the two.
+        try:
+            store.delete(f"{where}/{local_tier.marker(src)}")
+            store.delete_prefix(f"{where}/")
+        except Exception as exc:  # still run the protocol (the peer waits for it); a file left over
+            log.warning("could not clear %s/%s before receiving its replica: %s", store.url, where, exc)
         received += exchange(store, name, files_of(store, name, rank), dst, where, src, group, pace)
     return received
-
-
-def slot_owners(local_rank: int, ranks_per_node: int, world: int) -> list[int]:
-    """The ranks whose files this rank looks after in its node's directory: those with its local
-    rank (their replicas land here; a moved host leaves their files, even a replica of this very
-    rank, here)."""
-    return [o for o in range(world) if o % ranks_per_node == local_rank]
 
 
 def drop(store, name: str, owners, own_files_too: bool = True) -> None:
@@ -204,24 +256,29 @@ def drop_incomplete(store, name: str, owners) -> None:
 
 
 # -- restore -----------------------------------------------------------------------------------------
-def where_held(store, name: str, owner: int) -> str | None:
-    """Where in this node's directory rank ``owner``'s committed files of step ``name`` are: the
-    step folder itself (its own, or a moved host's), a replica folder, or None."""
+def where_held(store, name: str, owner: int, save_id: str | None) -> str | None:
+    """Where in this node's directory rank ``owner``'s committed files of step ``name`` of save
+    ``save_id`` are: the step folder itself (its own, or a moved host's), a replica folder, or None."""
     for prefix in (name, f"{name}/{replica_dir(owner)}"):
-        if store.exists(f"{prefix}/{local_tier.marker(owner)}"):
+        try:
+            body = json.loads(store.read_bytes(f"{prefix}/{local_tier.marker(owner)}"))
+        except Exception:  # no marker here (or not one): not held here
+            continue
+        if isinstance(body, dict) and body.get("save_id") == save_id:
             return prefix
     return None
 
 
 def holdings(store, world: int) -> list[list]:
-    """``[[step, [owner, ...]], ...]``: every usable (step, owner) piece this node's directory
-    holds for a run of ``world`` ranks, own or replica (small: steps kept x owners on the node)."""
+    """``[[step, [[owner, save id], ...]], ...]``: every usable (step, owner, save) piece this
+    node's directory holds for a run of ``world`` ranks, own or replica (small: steps kept x
+    owners on the node)."""
     out = []
     for name in store.list_dirs(""):
         step = layout.parse_step(name)
         if step is None:
             continue
-        owners = set()
+        owners: set[tuple[int, str | None]] = set()
         for entry in store.list(f"{name}/"):
             rel = entry.name[len(name) + 1:]
             parts = rel.split("/")
@@ -231,24 +288,27 @@ def holdings(store, world: int) -> list[list]:
             owner = int(base[5:-5])
             if len(parts) == 2 and parts[0] != replica_dir(owner) or len(parts) > 2:
                 continue
-            if local_tier.usable(store, "/".join([name, *parts[:-1]]), owner, world):
-                owners.add(owner)
+            body = local_tier.part(store, "/".join([name, *parts[:-1]]), owner, world)
+            if body is not None:
+                owners.add((owner, body.get("save_id")))
         if owners:
-            out.append([step, sorted(owners)])
+            out.append([step, [list(o) for o in sorted(owners, key=lambda o: (o[0], o[1] or ""))]])
     return out
 
 
-def plan_sources(reports: list[list[list]], world: int) -> tuple[int, dict[int, int]] | None:
-    """The newest step whose pieces the ranks hold together, and who gives each owner's pieces:
-    the owner itself when it holds them, else the holder with the fewest sends so far (pure).
-    ``reports[r]`` is rank r's ``holdings``."""
-    by_step: dict[int, dict[int, list[int]]] = {}
+def plan_sources(reports: list[list[list]], world: int) -> tuple[int, str | None, dict[int, int]] | None:
+    """The newest save whose pieces the ranks hold together (its step, its save id), and who gives
+    each owner's pieces: the owner itself when it holds them, else the holder with the fewest
+    sends so far (pure). ``reports[r]`` is rank r's ``holdings``. Pieces of another save of the
+    same step count as missing; when two saves of one step are both held whole (a failed delete),
+    the later one wins (save ids sort by time: ``writer.new_save_id``)."""
+    by_save: dict[tuple[int, str], dict[int, list[int]]] = {}
     for holder, held in enumerate(reports):
         for step, owners in held:
-            for owner in owners:
-                by_step.setdefault(step, {}).setdefault(owner, []).append(holder)
-    for step in sorted(by_step, reverse=True):
-        owners = by_step[step]
+            for owner, save_id in owners:
+                by_save.setdefault((step, save_id or ""), {}).setdefault(owner, []).append(holder)
+    for step, save_id in sorted(by_save, reverse=True):
+        owners = by_save[(step, save_id)]
         if len(owners) < world or any(o not in owners for o in range(world)):
             continue
         load: dict[int, int] = {}
@@ -259,19 +319,19 @@ def plan_sources(reports: list[list[list]], world: int) -> tuple[int, dict[int, 
             if holder != owner:
                 load[holder] = load.get(holder, 0) + 1
             source[owner] = holder
-        return step, source
+        return step, save_id or None, source
     return None
 
 
-def repair(store, step: int, source: dict[int, int], rank: int, group) -> int:
-    """Every rank: give each rank its own files of ``step`` as its own local files (received from
-    their holder, or linked from a replica folder here). The transfers run in rounds in which
+def repair(store, step: int, save_id: str | None, source: dict[int, int], rank: int, group) -> int:
+    """Every rank: give each rank its own files of ``step`` (save ``save_id``) as its own local
+    files (received from their holder, or linked from a replica folder here). The transfers run in rounds in which
     every rank sends at most one owner's files and receives at most its own, all pairs of a round
     at once (``exchange``: nonblocking, in lockstep, so they cannot deadlock). Bytes this rank
     received from peers."""
     name = layout.step_name(step)
     if source.get(rank) == rank:
-        prefix = where_held(store, name, rank)
+        prefix = where_held(store, name, rank, save_id)
         if prefix != name:
             _link_own(store, prefix, name, rank)
     sends: dict[int, list[int]] = {}
@@ -286,7 +346,7 @@ def repair(store, step: int, source: dict[int, int], rank: int, group) -> int:
         src = holder if holder != rank and sends[holder].index(rank) == r else None
         if dst is None and src is None:
             continue
-        out_prefix = where_held(store, name, dst) if dst is not None else None
+        out_prefix = where_held(store, name, dst, save_id) if dst is not None else None
         if src is not None:
             local_tier.clear(store, name, rank)
         received += exchange(store, out_prefix, files_of(store, out_prefix, dst) if dst is not None else [],

@@ -22,17 +22,21 @@ from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import CorruptCheckpoint
 from podtrain.errors import UserError
 from podtrain.model import unwrap
-from podtrain.storage.errors import Transient
+from podtrain.storage.errors import AccessDenied, NoSpace, ReadOnly, Transient
 
 log = logging.getLogger("podtrain.checkpoint")
 
 
 def _read_failure_kind(exc: BaseException) -> str:
     """How a rank's failure to read its share is handled: "corrupt" (this checkpoint's bytes or
-    files: fall back to the previous one), "transient" (the storage: exit 203, retried later),
-    "user" (one line, exit 2) or "bug"."""
+    files: damaged, missing or short; fall back to the previous one), "transient" (the storage:
+    exit 203, retried later), "user" (one line, exit 2) or "bug". A storage that refuses the read
+    (access denied, a read-only or full volume) is the user's to fix, never a reason to fall back:
+    a fall-back could end in a fresh start whose first save replaces the run's newest checkpoint."""
     if isinstance(exc, Transient):
         return "transient"
+    if isinstance(exc, (AccessDenied, NoSpace, ReadOnly)):
+        return "user"
     if isinstance(exc, (CorruptCheckpoint, OSError, EOFError, StorageError)):
         return "corrupt"
     return "user" if isinstance(exc, UserError) else "bug"
@@ -159,9 +163,10 @@ class RestoreMixin:
 
     def _restore_local(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scaler: torch.amp.GradScaler | None, check: Callable | None) -> tuple[ResumeState | None, bool]:
-        """Every rank: restore the newest local step every rank holds, when it is at least as new
-        as the newest durable checkpoint; None: use the durable tier (all ranks agree). The flag:
-        a load failed (the live state holds part of it)."""
+        """Every rank: restore the newest local save every rank holds (its own pieces, or a peer's
+        replica of the same save: pieces of another save of the step count as missing), when it is
+        at least as new as the newest durable checkpoint; None: use the durable tier (all ranks
+        agree). The flag: a load failed (the live state holds part of it)."""
         world = self.ctx.world_size
         held, holding = self._agreed(self.local.url, lambda: (
             local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
@@ -171,17 +176,19 @@ class RestoreMixin:
                 log.info("no local checkpoint is held whole by the ranks for %d rank(s) (own pieces or peer "
                          "replicas; another world size never is): resuming from the durable tier", world)
             return None, False
-        step, source = plan
+        step, save_id, source = plan
         if any(h != o for o, h in source.items()):
-            if not self._repair_from_peers(step, source):
+            if not self._repair_from_peers(step, save_id, source):
                 return None, False
         else:  # nothing moves between ranks; a rank may still hold its own part as a replica here
-            self._agreed(self.local.url, lambda: replicas.repair(self.local, step, source, self.ctx.rank, None))
+            self._agreed(self.local.url, lambda: replicas.repair(self.local, step, save_id, source,
+                                                                 self.ctx.rank, None))
         held = local_tier.held_steps(self.local, self.ctx.rank, world)
-        step = local_tier.newest_common(self.ctx.all_gather_object(held))
-        if step is None:
+        common = local_tier.newest_common(self.ctx.all_gather_object(held))  # (step, save id) every rank holds
+        if common is None:
             return None, False
-        choice = self._rank0_decides(lambda: self._local_choice(step))
+        step, save_id = common
+        choice = self._rank0_decides(lambda: self._local_choice(step, save_id))
         if choice is None:
             return None, False
         store = local_tier.WithSmallFiles(self.local, choice.pop("files"))
@@ -191,8 +198,8 @@ class RestoreMixin:
         self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
         return state, state is None
 
-    def _repair_from_peers(self, step: int, source: dict[int, int]) -> bool:
-        """Every rank: the ranks missing their own pieces of local step ``step`` receive them from
+    def _repair_from_peers(self, step: int, save_id: str | None, source: dict[int, int]) -> bool:
+        """Every rank: the ranks missing their own pieces of local step ``step`` (save ``save_id``) receive them from
         the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
         False: use the durable tier (every rank alike)."""
         durable = self._rank0_decides(lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
@@ -204,7 +211,7 @@ class RestoreMixin:
         t0 = time.perf_counter()
         problem, got = None, 0
         try:
-            got = replicas.repair(self.local, step, source, self.ctx.rank, self._local_writer.group)
+            got = replicas.repair(self.local, step, save_id, source, self.ctx.rank, self._local_writer.group)
         except Exception as exc:  # agreed below: every rank falls back together
             problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
         reports = self.ctx.all_gather_object((problem, got))
@@ -222,8 +229,9 @@ class RestoreMixin:
                      sum(g for _, g in reports) / 1e6, time.perf_counter() - t0)
         return True
 
-    def _local_choice(self, step: int) -> dict | None:
-        """Rank 0: the local step unless a durable checkpoint is newer; its small files, to broadcast."""
+    def _local_choice(self, step: int, save_id: str | None) -> dict | None:
+        """Rank 0: the local step (save ``save_id``, the one every rank's marker names) unless a
+        durable checkpoint is newer; its small files, to broadcast."""
         durable = layout.committed_steps(self.store)
         if durable and durable[-1][0] > step:
             log.info("local step %d is older than durable step %d: resuming from the durable tier",
@@ -232,6 +240,8 @@ class RestoreMixin:
         name = layout.step_name(step)
         try:
             manifest = layout.read_manifest(self.local, name)
+            if manifest.get("save_id") != save_id:  # the ranks' pieces are of another save of this step
+                raise ValueError(f"its manifest is of save {manifest.get('save_id')}, the ranks' markers name {save_id}")
             files = {f"{name}/{rel}": read_small(self.local, name, manifest, rel) for rel in local_tier.SMALL_FILES}
         except Transient:  # an outage is not a bad checkpoint: never skip one for it
             raise
@@ -255,10 +265,9 @@ class RestoreMixin:
             check(choice["train_state"], step, where)
         t0 = time.perf_counter()
         net = unwrap(model)
-        plan = self._agreed(where, lambda: prepare(store, name, manifest, net, optimizer,
-                                                   self.ctx.rank, self.ctx.world_size))
         problem = None
-        try:
+        try:  # the metadata (state files, sidecars) and the data fail alike: a damaged file falls back
+            plan = prepare(store, name, manifest, net, optimizer, self.ctx.rank, self.ctx.world_size)
             self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
         except Exception as exc:  # every failure is agreed below: no rank may wait for one that raised
             problem = (_read_failure_kind(exc), f"{type(exc).__name__}: {exc}")
@@ -299,7 +308,7 @@ class RestoreMixin:
         ours), then pick the checkpoint (manifest + sizes only): this lineage's newest, else the
         ``ckpt.resume_from`` one; an explicit ``ckpt.resume`` path wins."""
         listing = layout.scan(self.store)  # one listing for the clean-up and the choice (S3: one LIST)
-        removed = layout.clean_stale(self.store, listing)
+        removed = layout.clean_stale(self.store, listing, self._writer.tidy)
         if removed:
             log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
         if resume == "never":
@@ -308,11 +317,17 @@ class RestoreMixin:
             return None
         if resume != "auto":
             return self._explicit("ckpt.resume", resume, failed)
-        choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True,
-                                    listing=listing)
-        self.skipped = choice.skipped
-        if choice.name is not None:
-            return self._choice(self.store, None, choice.name, choice.manifest)
+        while True:  # a checkpoint whose train state cannot be read is passed over like a damaged one
+            choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True,
+                                        listing=listing)
+            self.skipped = choice.skipped
+            if choice.name is None:
+                break
+            try:
+                return self._choice(self.store, None, choice.name, choice.manifest)
+            except (CorruptCheckpoint, ValueError) as exc:
+                log.warning("skipping checkpoint %s/%s: %s", self.store.url, choice.name, exc)
+                failed.add(choice.name)
         if self.cfg.resume_from:
             return self._explicit("ckpt.resume_from", self.cfg.resume_from, failed)
         return None

@@ -8,7 +8,8 @@ wrote them, or ``plan.split_even`` over the saved ranks), so a resuming rank com
 manifest alone which saved ranks hold the ranges it needs (``SavedSplit.holders``: at the same
 world size and strategy, usually only its own) and reads only their sidecars.
 
-A sidecar checks itself: ``{"crc32": N, "body": {...}}`` where N is the CRC-32 of the body's bytes
+Every sidecar names its save (``save_id``, as the manifest does): a resume reads only sidecars of
+the save its manifest names (``check_save``). A sidecar checks itself: ``{"crc32": N, "body": {...}}`` where N is the CRC-32 of the body's bytes
 exactly as written, so a damaged sidecar is a ``CorruptCheckpoint`` (the previous checkpoint is
 then used), as strong as the manifest's record of the small files.
 """
@@ -35,11 +36,13 @@ def sidecar(rank: int) -> str:
     return f"meta_{rank:05d}.json"
 
 
-def encode(file: str | None, nbytes: int, pieces: list, rng: dict[str, Any] | None) -> bytes:
+def encode(file: str | None, nbytes: int, pieces: list, rng: dict[str, Any] | None,
+           save_id: str | None = None) -> bytes:
     """A sidecar's bytes: this rank's piece file (name, bytes), its pieces (``Piece.to_json``
-    without the file) and its RNG states (JSON, their tensors as one small safetensors blob)."""
+    without the file), its RNG states (JSON, their tensors as one small safetensors blob) and the
+    id of the save that wrote it (the manifest names the same: ``index`` checks)."""
     small: dict = {}
-    body = {"file": file, "bytes": nbytes, "pieces": pieces,
+    body = {"save_id": save_id, "file": file, "bytes": nbytes, "pieces": pieces,
             "rng": None if rng is None else to_plain(rng, small.__setitem__, "rng")}
     if small:
         body["rng_tensors"] = base64.b64encode(encode_small(small)).decode()
@@ -60,6 +63,17 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(body, dict) or not isinstance(body.get("pieces"), list):
         raise CorruptCheckpoint(f"{where} holds no piece table")
     return body
+
+
+def check_save(body: dict[str, Any], manifest: dict[str, Any], where: str) -> None:
+    """A sidecar of another save than the manifest's (a step saved again: a rollback, a stale
+    replica) is as good as missing: ``CorruptCheckpoint``, so the resume falls back rather than
+    combine two saves' pieces (CRCs alone cannot tell: each save's blocks check against its own
+    sidecar). Checkpoints written before save ids existed name none and are not checked."""
+    expected = manifest.get("save_id")
+    if expected and body.get("save_id") != expected:
+        raise CorruptCheckpoint(f"{where} belongs to save {body.get('save_id')}, not to save {expected} "
+                                "that the manifest names (a step saved twice)")
 
 
 def rng_of(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -187,6 +201,7 @@ def index(store, name: str, manifest: dict[str, Any], wanted: Iterable[tuple[str
         data = store.read_bytes(f"{name}/{sidecar(saved)}")
         out.bytes_parsed += len(data)
         body = decode(data, where)
+        check_save(body, manifest, where)
         for piece in pieces_of(body, names):
             out.pieces.setdefault(piece.tensor, []).append(piece)
         if same_world and saved == rank:

@@ -9,6 +9,24 @@ and the step loop pays only for the copies (as before); when it does not, ``prod
 the writer to free slabs, so the step loop also pays for writing all but the last budget's worth.
 Host memory stays within the budget either way.
 
+A failed write is sent again (``Store.write_replayable``: on S3 a part that failed all of the
+client's attempts aborts the multipart upload, and the rank's file is uploaded again from its first
+byte, since S3 keeps nothing of an unfinished upload that could be read back). Its bytes come again
+from the same budget, never from a second copy; the rule (``SaveStream.replay``):
+
+- the rank's share fits the pool (``KEEP``; the default budget makes this the common case): the
+  writer keeps the slabs it has written until the file is committed (``done_with``), and a
+  replay reads them again. Nothing is copied twice and the step loop is not held: it was never
+  going to reuse those slabs before the next save;
+- it does not (``RESTAGE``): slabs must be reused while the file is written, so what a replay needs
+  is gone from host memory, but not from the live tensors as long as the step loop stays in
+  ``produce`` (it is waiting for slabs anyway: all but the last budget's worth is written while
+  it waits). So after staging the file the step loop stays, up to ``hold_s`` (``REPLAY_HOLD_S``),
+  until the writer has committed it, and stages it again from the live tensors when a write fails.
+  This costs the stall the write of the last budget's worth on the happy path; a failure after
+  ``hold_s`` cannot be replayed (``NotReplayable``) and abandons the save as before;
+- ``ONCE`` (``REPLAY`` off, for benches): each file is written once; a failed write abandons the save.
+
 On a GPU the copies are asynchronous DMA into pinned slabs, issued on a side stream
 (``CopyFence``) that first waits for the current stream (so they follow the optimizer step that
 produced the values); the next step's forward and backward, which only read the weights, overlap
@@ -24,6 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from typing import Iterator
 
 import torch
@@ -32,10 +51,26 @@ from podtrain.ckpt.host_buffers import StagingPool, byte_array, flat_bytes
 from podtrain.ckpt.tensorio import spec_of
 
 _END = object()  # queued after a file's last slab
+# How a stream lets the writer read a file again after a failed write (``SaveStream.replay``).
+KEEP, RESTAGE, ONCE = "keep", "restage", "once"
+# What became of one staging pass of a file (``SaveStream.produce``).
+_STAGED, _AGAIN, _DONE, _FAILED = "staged", "again", "done", "failed"
+
+REPLAY = True
+"""Whether new streams let a failed write be sent again (the default of ``SaveStream(replay=)``,
+read when a stream is made; ``bench/s3_save_faults.py`` turns it off to measure saves without it)."""
+REPLAY_HOLD_S = 10.0
+"""How long the step loop, having staged a file larger than the pool, stays ready to stage it again
+for a failed write (the default of ``SaveStream(hold_s=)``; as ``ckpt.save_wait_s``, 10 s)."""
 
 
 class StagingAborted(RuntimeError):
     """The other side of a ``SaveStream`` failed or gave up."""
+
+
+class NotReplayable(RuntimeError):
+    """A file's bytes were asked for again after a failed write, but the stream no longer has them
+    (its share exceeds the pool and the step loop stopped holding it: see the module docstring)."""
 
 
 class CopyFence:
@@ -102,29 +137,55 @@ class CopyFence:
 
 
 class SaveStream:
-    """The tensors of one save, by output file, flowing through ``pool`` (see the module docstring)."""
+    """The tensors of one save, by output file, flowing through ``pool`` (see the module docstring).
 
-    def __init__(self, pool: StagingPool, files: dict[str, list[tuple[str, torch.Tensor]]]) -> None:
-        """``files``: for each output file (a key the writer asks for), its ``(name, live tensor)``s."""
+    ``replay`` says how the writer may read a file again after a failed write (``chunks`` called
+    again for it): ``KEEP`` (everything fits the pool: the slabs read are kept until
+    ``done_with``), ``RESTAGE`` (it does not: the step loop stages the file again from the live
+    tensors, for up to ``hold_s`` after each staging pass) or ``ONCE`` (replay turned off).
+    """
+
+    def __init__(self, pool: StagingPool, files: dict[str, list[tuple[str, torch.Tensor]]],
+                 replay: bool | None = None, hold_s: float | None = None) -> None:
+        """``files``: for each output file (a key the writer asks for), its ``(name, live tensor)``s;
+        ``replay``: let a failed write read a file again (None: ``REPLAY``); ``hold_s``: how long
+        the step loop stays ready to stage a file again when it does not fit the pool (None:
+        ``REPLAY_HOLD_S``)."""
         self.pool = pool
         self.specs = {f: [spec_of(n, t) for n, t in items]
                       for f, items in files.items()}
         self._sources = files
         self._queues: dict[str, collections.deque] = {f: collections.deque() for f in files}
+        self._kept: dict[str, list] = {f: [] for f in files}  # KEEP: what the writer read, in order
+        self._pass = dict.fromkeys(files, 0)  # RESTAGE: the staging pass the writer reads now
+        self._reads = dict.fromkeys(files, 0)  # how many times the writer began reading each file
+        self._finished: set[str] = set()  # files the writer is done with (written, or given up)
+        self._let_go: set[str] = set()  # RESTAGE: files the step loop no longer holds
         self._cond = threading.Condition()
         self._failure: str | None = None
-        self._held: torch.Tensor | None = None  # the slab the writer is reading now
+        self._held: tuple[torch.Tensor, int] | None = None  # the slab the writer reads now, and which read
         self.staged_bytes = 0
+        """Bytes copied into slabs so far (a file staged again counts again)."""
+        self.hold_s = REPLAY_HOLD_S if hold_s is None else hold_s
+        slabs = sum(-(-sum(s.nbytes for s in specs) // pool.slab_bytes) for specs in self.specs.values())
+        self.replay = ONCE if not (REPLAY if replay is None else replay) else \
+            KEEP if slabs <= pool.max_slabs else RESTAGE
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data this stream carries (all files)."""
         return sum(s.nbytes for specs in self.specs.values() for s in specs)
 
+    @property
+    def replayable(self) -> bool:
+        """Whether a failed write of a file can be sent again (``replay`` is not ``ONCE``)."""
+        return self.replay != ONCE
+
     # -- producer: the step loop ---------------------------------------------------------------
     def produce(self, device: torch.device, fence: CopyFence | None = None) -> None:
         """Copy every tensor's bytes into slabs and queue them, file by file (blocks on a full pool),
-        on ``fence``'s side stream on a GPU.
+        on ``fence``'s side stream on a GPU; with ``RESTAGE``, stay after each file, staging it
+        again when its write fails, until it is written or ``hold_s`` has passed.
 
         Returns early (quietly) when the writer gave up: its error reaches the step loop through
         the job. Raises, and fails the stream for the writer, when a copy itself fails.
@@ -132,15 +193,32 @@ class SaveStream:
         try:
             with fence.copying() if fence is not None else contextlib.nullcontext():
                 for file, items in self._sources.items():
-                    if not self._produce_file(file, items, device):
-                        return
+                    while True:
+                        number = self._pass[file]
+                        state = self._produce_file(file, items, device, number)
+                        if state == _STAGED and self.replay == RESTAGE:
+                            state = self._hold(file, number)
+                        if state == _FAILED:
+                            return
+                        if state != _AGAIN:  # staged, or the writer is done with the file
+                            break
         except BaseException as exc:
             self.fail(f"staging on the step loop failed: {type(exc).__name__}: {exc}")
             raise
         finally:
             self._sources = {}  # no references to live tensors once staged
 
-    def _produce_file(self, file: str, items: list[tuple[str, torch.Tensor]], device: torch.device) -> bool:
+    def _state(self, file: str, number: int) -> str | None:
+        """Why staging pass ``number`` of ``file`` must stop (None: it goes on). Reads without the
+        lock (each read is atomic): ``pool.acquire`` asks it while holding the pool's lock."""
+        if self._failure is not None:
+            return _FAILED
+        if file in self._finished:
+            return _DONE
+        return _AGAIN if self._pass[file] != number else None
+
+    def _produce_file(self, file: str, items: list[tuple[str, torch.Tensor]], device: torch.device,
+                      number: int) -> str:
         cuda = device.type == "cuda"
         slab, fill, cpu_pieces, gpu_copies = None, 0, [], False
         size = self.pool.slab_bytes
@@ -149,9 +227,9 @@ class SaveStream:
             pos, n = 0, src.numel()
             while pos < n:
                 if slab is None:
-                    slab = self.pool.acquire(lambda: self._failure is not None)
+                    slab = self.pool.acquire(lambda: self._state(file, number) is not None)
                     if slab is None:
-                        return False
+                        return self._state(file, number)
                     fill = 0
                 k = min(n - pos, size - fill)
                 if src.device.type == "cpu":
@@ -162,66 +240,144 @@ class SaveStream:
                 fill += k
                 pos += k
                 if fill == size:
-                    self._flush(file, slab, fill, cpu_pieces, gpu_copies and cuda)
+                    if not self._flush(file, number, slab, fill, cpu_pieces, gpu_copies and cuda):
+                        return self._state(file, number)
                     slab, cpu_pieces, gpu_copies = None, [], False
-        if slab is not None:
-            self._flush(file, slab, fill, cpu_pieces, gpu_copies and cuda)
-        self._put(file, _END)
-        return True
+        if slab is not None and not self._flush(file, number, slab, fill, cpu_pieces, gpu_copies and cuda):
+            return self._state(file, number)
+        return _STAGED if self._put(file, number, _END) else self._state(file, number)
 
-    def _flush(self, file: str, slab: torch.Tensor, fill: int, cpu_pieces: list, gpu: bool) -> None:
+    def _flush(self, file: str, number: int, slab: torch.Tensor, fill: int, cpu_pieces: list, gpu: bool) -> bool:
         self.pool.copy_cpu(cpu_pieces)
         event = None
         if gpu:
             event = torch.cuda.Event()
             event.record()  # on the current stream, after this slab's copies
         self.staged_bytes += fill
-        self._put(file, (slab, fill, event))
+        return self._put(file, number, (slab, fill, event))
 
-    def _put(self, file: str, item: object) -> None:
+    def _put(self, file: str, number: int, item: object) -> bool:
+        """Queue ``item`` of pass ``number``; False (its slab back in the pool) when that pass ended."""
         with self._cond:
-            if self._failure is not None:
+            if self._state(file, number) is not None:
                 if item is not _END:
                     self.pool.release(item[0])
-                return
+                return False
             self._queues[file].append(item)
             self._cond.notify_all()
+            return True
+
+    def _hold(self, file: str, number: int) -> str:
+        """After a whole pass of a file larger than the pool: wait until the writer is done with it
+        (``_DONE``), asks for it again (``_AGAIN``), fails (``_FAILED``), or ``hold_s`` passes (then
+        the file can no longer be sent again: ``_STAGED``). The live tensors do not change meanwhile:
+        the step loop is here."""
+        deadline = time.monotonic() + self.hold_s
+        with self._cond:
+            while (state := self._state(file, number)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._let_go.add(file)
+                    return _STAGED
+                self._cond.wait(min(left, 1.0))
+            return state
 
     # -- consumer: the writer thread -----------------------------------------------------------
     def chunks(self, file: str) -> Iterator[memoryview]:
-        """The bytes of ``file``'s tensors, slab by slab, in order; each slab is released after use."""
+        """The bytes of ``file``'s tensors, slab by slab, in order, from the start: a later call
+        (the file's write failed and is sent again) starts over, from the kept slabs (``KEEP``) or
+        from a new staging pass (``RESTAGE``). Raises ``NotReplayable`` for a later call when the
+        stream no longer has the bytes (``ONCE``, or ``RESTAGE`` after the step loop let go)."""
+        with self._cond:
+            self._reads[file] += 1
+            if self._reads[file] > 1:
+                self._rewind(file)
+            read = self._reads[file]
+        return self._read(file, read)
+
+    def _rewind(self, file: str) -> None:
+        """(Under the lock.) Make the next read of ``file`` start over, or raise why it cannot."""
+        if self._failure is not None:
+            raise StagingAborted(self._failure)
+        if self.replay == KEEP:
+            return  # the kept slabs are read again, then the rest as it arrives
+        if self.replay == ONCE or file in self._let_go or file in self._finished:
+            raise NotReplayable(f"{file} cannot be sent again: " + (
+                "replaying failed writes is turned off" if self.replay == ONCE else
+                f"its {sum(s.nbytes for s in self.specs[file])} bytes exceed the staging pool "
+                f"({self.pool.budget_bytes} bytes, ckpt.host_staging_mb) and the step loop stopped "
+                f"holding them {self.hold_s:g} s after staging them"))
+        self._release_held()  # the failed read's slab and the rest of its pass: a new pass follows
+        self._drain(self._queues[file])
+        self._pass[file] += 1
+        self._cond.notify_all()
+        self.pool.wake()  # a step loop waiting in acquire for this pass's slabs starts the next one
+
+    def _read(self, file: str, read: int) -> Iterator[memoryview]:
+        kept = self._kept[file]
+        i = 0
         while True:
             with self._cond:
-                while not self._queues[file] and self._failure is None:
+                while i >= len(kept) and not self._queues[file] and self._failure is None:
                     self._cond.wait(1.0)
                 if self._failure is not None:
                     raise StagingAborted(self._failure)
-                item = self._queues[file].popleft()
+                if i < len(kept):  # KEEP, read again
+                    item = kept[i]
+                else:
+                    item = self._queues[file].popleft()
+                    if self.replay == KEEP:
+                        kept.append(item)
+                    elif item is not _END:
+                        self._held = (item[0], read)
+                i += 1
             if item is _END:
                 return
             slab, fill, event = item
-            with self._cond:
-                self._held = slab
             try:
                 if event is not None:
                     event.synchronize()  # the DMA into this slab is complete
                 yield memoryview(byte_array(slab[:fill])).cast("B")
             finally:
-                self._release_held(slab)
+                if self.replay != KEEP:
+                    with self._cond:
+                        # only this read's slab: an abandoned read's generator, finalised late,
+                        # must not release a slab (the same tensor, reused) that a later read holds
+                        if self._held is not None and self._held[0] is slab and self._held[1] == read:
+                            self._release_held()
 
-    def _release_held(self, slab: torch.Tensor) -> None:
+    def _release_held(self) -> None:
+        """(Under the lock.) Give back the slab the writer was reading, if any."""
+        if self._held is not None:
+            self.pool.release(self._held[0])
+            self._held = None
+
+    def _drain(self, items) -> None:
+        """(Under the lock.) Give back the slabs of ``items`` (a queue or a kept list), emptying it."""
+        for item in items:
+            if item is not _END:
+                self.pool.release(item[0])
+        items.clear()
+
+    def done_with(self, file: str) -> None:
+        """The writer has written ``file``, or gave up on it: its slabs go back to the pool, and a
+        step loop still staging it, or holding it for a replay, goes on (idempotent)."""
         with self._cond:
-            if self._held is slab:
-                self._held = None
-                self.pool.release(slab)
+            self._finished.add(file)
+            self._release_held()
+            self._drain(self._kept[file])
+            self._drain(self._queues[file])
+            self._cond.notify_all()
+        self.pool.wake()
 
     def close(self, reason: str) -> None:
-        """The writer is done with this stream (whatever happened): ``fail`` it, and return the
-        slab it was reading, even when a failed write left the ``chunks`` iterator suspended."""
+        """The writer is done with this stream (whatever happened): ``fail`` it, and return every
+        slab it holds (kept ones, and the one a failed write left a ``chunks`` iterator suspended on)."""
         self.fail(reason)
         with self._cond:
-            if self._held is not None:
-                self._release_held(self._held)
+            self._release_held()
+            for kept in self._kept.values():
+                self._drain(kept)
 
     def fail(self, reason: str) -> None:
         """Stop both sides: queued slabs go back to the pool, waiters wake up (idempotent)."""
@@ -229,9 +385,6 @@ class SaveStream:
             if self._failure is None:
                 self._failure = reason
             for queue in self._queues.values():
-                while queue:
-                    item = queue.popleft()
-                    if item is not _END:
-                        self.pool.release(item[0])
+                self._drain(queue)
             self._cond.notify_all()
         self.pool.wake()

@@ -4,7 +4,9 @@ The step loop hands a ``SaveJob`` to ``CheckpointWriter.submit``; one background
 then runs the save's collectives, in a fixed order, on a gloo group of its own (created by every
 rank in ``__init__``), so they never interleave with the main thread's collectives:
 
-1. rank 0 clears the step's directory (an earlier timeline's, or a killed save's) and says so;
+1. prepare: rank 0 re-reads the run's lease (a job that lost the run writes nothing) and clears
+   the step's directory (an earlier timeline's, or a killed save's; an empty one costs one
+   listing), and says so: no rank writes before this outcome is broadcast;
 2. every rank holding pieces writes its own file (``layout.rank_file``) in parallel, streaming
    the bytes from the step loop's host copies (``podtrain.ckpt.staging``) and computing the block
    CRC-32s in the same pass; the file appears only complete (the store's atomic ``open_write``);
@@ -12,10 +14,14 @@ rank in ``__init__``), so they never interleave with the main thread's collectiv
    size, its RNG states), which only it (or a resume needing its pieces) ever reads;
 3. rank 0 alone gathers each rank's outcome and byte counts (``_gather``: sizes, then bytes point to point; O(1) per rank,
    nothing per rank goes to every rank);
-4. rank 0 writes the small files, then ``manifest.json`` (the commit: O(tensors), one rule per
-   tensor, a count and a total of the ranks' files), then ``latest``, applies retention, and
-   broadcasts the result. On any failure it removes the step's directory, so the last good
-   checkpoint stays the newest, and every rank's job carries the same error.
+4. commit: rank 0 re-reads the lease, writes the small files, then ``manifest.json`` (the commit:
+   O(tensors), one rule per tensor, a count and a total of the ranks' files);
+5. publish, then retain (``_publish``): ``latest``, then retention. Once the manifest is written
+   nothing can fail the save: a refused ``latest`` or delete is a warning (``layout.Housekeeping``),
+   and retention runs only after ``latest`` names the new checkpoint. Rank 0 broadcasts the
+   result. A failure before the commit removes the step's directory (best effort: never the
+   lease-lost case, where the step may be the new holder's), so the last good checkpoint stays
+   the newest, and every rank's job carries the same error.
 
 ``SaveJob.received_bytes`` counts the pickled bytes this rank received in the save's object
 collectives (``CheckpointWriter.last_save["received_bytes"]`` after a save, for benches): O(1) on
@@ -39,6 +45,7 @@ import pickle
 import queue
 import threading
 import time
+import uuid
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -58,6 +65,7 @@ from podtrain.distributed.group import DistContext
 from podtrain.distributed.side_group import new_side_group, release_side_group
 from podtrain.errors import UserError
 from podtrain.storage.errors import Transient
+from podtrain.storage.retry import Cancel, Deadline, cancellation
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -70,10 +78,16 @@ class SaveFailed(UserError):
     """A checkpoint could not be written (no space, read-only storage...): every rank raises it."""
 
 
-class SaveAbandoned(SaveFailed):
-    """A save failed on a transient storage fault (throttling, 5xx, a dropped connection) once
-    the store's retries were spent, or was abandoned: nothing of it is committed, and the run goes
-    on (the next save tries again; ``ckpt.max_outage_s`` bounds how long)."""
+class RunTakenOver(UserError):
+    """Rank 0 found, before writing or before committing, that another job holds the run's lease:
+    nothing more is written or deleted in the step (it may be the new holder's)."""
+
+
+class SaveAbandoned(UserError):
+    """A save given up on a transient storage fault (throttling, 5xx, a dropped connection) once
+    the store's retries were spent, or cancelled (a newer save replaced it, a stop's deadline):
+    nothing of it is committed, and the run goes on (the next save tries again;
+    ``ckpt.max_outage_s`` bounds how long). Not a ``SaveFailed``: never a reason to stop."""
 
 
 @dataclass
@@ -108,9 +122,22 @@ class SaveJob:
     nbytes: int = 0
     received_bytes: int = 0
     """Pickled bytes this rank received in the save's object collectives."""
+    cancel: Cancel = field(default_factory=Cancel)
+    """This save's own stop: ``cancel.cancel()`` ends its storage retries (a newer save replaces
+    it, or a stop signal's grace period is spent); the store's policy stays usable for the next."""
     resume_replicas: Callable[[], None] | None = None
     """Called when the write ends: the peer replicas' copies paused for this save (from its host
     copy on) go on (``Replicator.pause``)."""
+    save_id: str = ""
+    """This save's identity (``new_save_id``, made by rank 0 in the writer thread and broadcast at
+    the save's opening): in the manifest, every sidecar, every local marker and so every replica."""
+
+
+def new_save_id() -> str:
+    """A new save's id: rank 0's clock (ns, 16 hex digits) then 16 random hex digits, so ids are
+    unique and a later save of the same step sorts after an earlier one (a replica restore that
+    finds two saves of one step whole takes the later: ``replicas.plan_sources``)."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:16]}"
 
 
 class CheckpointWriter:
@@ -126,6 +153,8 @@ class CheckpointWriter:
         self.still_owned = still_owned
         self.lineage = lineage
         self.store = store
+        self.tidy = layout.Housekeeping()
+        """This writer's best-effort deletes and pointer writes (each refusal said once)."""
         self.local = local
         self.tier = "local" if local else "durable"
         self.cfg = cfg
@@ -135,10 +164,16 @@ class CheckpointWriter:
             self.group = new_side_group(CKPT_GROUP_TIMEOUT_S)
         self.ring = replicas.Ring((), ())
         """Where this rank's local pieces are replicated (``podtrain.ckpt.replicas``)."""
+        self.looked_after = [ctx.rank]
+        """The ranks whose files of a local step this rank clears and prunes on its node."""
         self.replicator: Replicator | None = None
         if local and self.group is not None:
-            self.ring = self._ring()
-            if self.ring.targets:  # the same on every rank (_ring): the group is made collectively
+            # Every rank's host name, gathered once: the placement is by host, and the same list on
+            # every rank makes every rank decide alike whether the replicator's group exists.
+            hosts = ctx.all_gather_object(ctx.env.hostname)
+            self.ring = self._ring(hosts)
+            self.looked_after = replicas.looked_after(hosts, ctx.rank, cfg.local_replicas)
+            if len(replicas.unreplicated(hosts, cfg.local_replicas)) < len(hosts):  # agreed: one list
                 self.replicator = Replicator(store, self.ring, ctx.rank, ctx.env.hostname, ctx.is_main,
                                              CKPT_GROUP_TIMEOUT_S, lambda step_name: replicas.drop_incomplete(
                                                  store, step_name, self.ring.sources))
@@ -147,23 +182,24 @@ class CheckpointWriter:
         self.last_save: dict[str, float] = {}
         """Timings of the last finished save: step, stall_s, write_s, bytes."""
 
-    def _ring(self) -> replicas.Ring:
-        """The replica ring of ``ckpt.local_replicas`` over this job's nodes (said once, on rank 0)."""
-        env, k = self.ctx.env, self.cfg.local_replicas
-        nodes, per_node = env.num_nodes, env.local_world_size
-        if k > 0 and nodes * per_node != self.ctx.world_size:
-            if self.ctx.is_main:
-                log.warning("ckpt.local_replicas=%d: the nodes run different numbers of ranks (%d ranks, "
-                            "%d per node on this one): no peer replicas", k, self.ctx.world_size, per_node)
-            return replicas.Ring((), ())
-        ring = replicas.Ring.of(env.node_rank, nodes, env.local_rank, per_node, k)
+    def _ring(self, hosts: list[str]) -> replicas.Ring:
+        """This rank's replica ring of ``ckpt.local_replicas`` over the job's nodes, by host name
+        (``hosts``: every rank's; said once, on rank 0)."""
+        k = self.cfg.local_replicas
+        ring = replicas.Ring.over_hosts(hosts, self.ctx.rank, k)
         if self.ctx.is_main and k > 0:
-            if ring.targets:
-                log.info("local checkpoints are replicated to %d other node(s) (ckpt.local_replicas=%d, "
-                         "a ring over %d nodes)", len(ring.targets), k, nodes)
-            else:
+            nodes, alone = len(replicas.nodes_of(hosts)), replicas.unreplicated(hosts, k)
+            if nodes == 1:
                 log.info("ckpt.local_replicas=%d: one node, no peer replicas (a lost node loses its "
                          "local checkpoints; restarts read ckpt.dir)", k)
+            elif len(alone) < len(hosts):
+                log.info("local checkpoints are replicated to up to %d other node(s) (ckpt.local_replicas=%d, "
+                         "a ring over %d nodes by host name)", min(k, nodes - 1), k, nodes)
+            if alone and nodes > 1:
+                log.warning("ckpt.local_replicas=%d: the nodes run different numbers of ranks; rank(s) %s "
+                            "have no rank at their position on another node: their local pieces are not "
+                            "replicated (a loss of their node restores from ckpt.dir)", k,
+                            ", ".join(map(str, alone)))
         return ring
 
     def submit(self, job: SaveJob) -> None:
@@ -173,23 +209,39 @@ class CheckpointWriter:
             self._thread.start()
         self._queue.put(job)
 
-    def close(self) -> None:
-        """Stop the thread after the queued jobs, release the group (never raises for the group)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the thread after the queued jobs, release the group (never raises for the group).
+
+        ``timeout`` (a stop signal's grace period): the most seconds to wait, replicas included. A
+        thread still writing then (a storage that never answers) is left to finish alone: it is a
+        daemon, so it ends with the process, and its group is not released under it (a collective
+        in flight on a destroyed group can crash). False then, True when everything stopped."""
+        deadline = None if timeout is None else Deadline.after(timeout)
+        stopped = True
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        if self.replicator is not None:
-            self.replicator.close()
-        release_side_group(self.group, "checkpoint")
-        self.group = None
+            self._thread.join(None if deadline is None else deadline.remaining())
+            if self._thread.is_alive():
+                log.warning("the %s checkpoint writer on rank %d is still writing after %.1f s: left to "
+                            "finish alone (nothing of its save commits after the job ends)", self.tier,
+                            self.ctx.rank, timeout)
+                stopped = False
+            else:
+                self._thread = None
+        if stopped:
+            release_side_group(self.group, "checkpoint")
+            self.group = None
+        if self.replicator is not None:  # its copies' thread: stopped, or left to end alone (False)
+            stopped = self.replicator.close(timeout=None if deadline is None else deadline.remaining()) and stopped
+        return stopped
 
     # -- background thread ---------------------------------------------------------------------
     def _worker(self) -> None:
         while (job := self._queue.get()) is not None:
             t0 = time.perf_counter()
             try:
-                self._write(job)
+                with cancellation(job.cancel):  # this save's storage retries end when it is cancelled
+                    self._write(job)
             except BaseException as exc:  # surfaced to the step loop by Checkpointer.failed/wait
                 job.error = exc
             finally:
@@ -216,22 +268,26 @@ class CheckpointWriter:
     def _write_collectively(self, job: SaveJob) -> None:
         name = layout.step_name(job.step)
         if self.local:  # nobody sees the whole tier: each rank clears its own files
-            error = self._first_error(job, self._outcome(local_tier.clear, self.store, name, self.ctx.rank))
+            # (and the replicas it holds of it: an earlier save's, gone before this save's files appear)
+            error = self._first_error(job, self._outcome(replicas.drop, self.store, name, self.looked_after))
         else:
-            error = self._broadcast(self._outcome(self._prepare, name) if self.ctx.is_main else None, job)
+            error = self._opening(job, self._outcome(self._prepare, name) if self.ctx.is_main else None)
         out: dict[str, Any] = {}
         if error is None:
             error = self._outcome(self._write_own, job, name, out)
         if error is None and self.local:
             error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
-                                  self.ctx.world_size, out.get("record"), job.lineage.get("lineage"))
+                                  self.ctx.world_size, out.get("record"), job.lineage.get("lineage"), job.save_id)
         reports = self._gather((error, out.get("sizes")), job)
         if self.ctx.is_main:
             error = next((e for e, _ in reports if e), None)
             if error is None:
                 error = self._outcome(self._commit, job, name, [r for _, r in reports])
-            if error is not None and not self.local:
-                self._outcome(layout.remove, self.store, name)  # no half-written checkpoint stays
+            if not self.local:
+                if error is None:
+                    self._publish(job, name)  # never fails the save: the manifest is the commit
+                elif error[0] != "lease":  # a run another job owns now: its step, not ours to touch
+                    self.tidy.remove(self.store, name)  # no half-written checkpoint stays (best effort)
         error = self._broadcast(error, job)
         if self.local:
             if error is not None:
@@ -239,13 +295,11 @@ class CheckpointWriter:
             else:
                 if self.replicator is not None:
                     self.replicator.committed(job.step)
-                env = self.ctx.env
-                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, replicas.slot_owners(
-                    env.local_rank, env.local_world_size, self.ctx.world_size), replicas.drop,
-                    protect_from=self.replicator.protect_from if self.replicator is not None else None)
+                local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, self.looked_after,
+                                 replicas.drop, self.replicator.protected() if self.replicator is not None else ())
         if error is not None:
             kind, message = error
-            cls = {"transient": SaveAbandoned, "user": SaveFailed}.get(kind, RuntimeError)
+            cls = {"transient": SaveAbandoned, "user": SaveFailed, "lease": SaveFailed}.get(kind, RuntimeError)
             raise cls(f"{self.tier} checkpoint of step {job.step} failed: {message}")
 
     def _outcome(self, fn, *args) -> tuple[str, str] | None:
@@ -256,30 +310,71 @@ class CheckpointWriter:
             fn(*args)
             return None
         except Exception as exc:
-            kind = ("transient" if isinstance(exc, Transient) else
+            kind = ("transient" if isinstance(exc, Transient) else "lease" if isinstance(exc, RunTakenOver) else
                     "user" if isinstance(exc, (OSError, UserError)) else "bug")  # storage errors are UserErrors
             if kind == "bug":
                 log.exception("checkpoint writer on rank %d failed", self.ctx.rank)
             return kind, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
 
     def _prepare(self, name: str) -> None:
-        # The same step saved by an earlier timeline, or a killed save: gone before anyone writes.
-        layout.remove(self.store, name)
+        """Rank 0, before any rank writes (its outcome is broadcast; no rank writes after an
+        error): this job still holds the run, and the step's directory holds no earlier save.
+
+        The lease is re-read here and not only at the commit: a job whose lease was taken over (a
+        partition longer than ``ckpt.lease_timeout_s``) must not delete or overwrite the new
+        holder's step. An earlier timeline's save of this step (a rollback) or a killed save is
+        removed, its manifest first; when the storage refuses to delete that manifest (a bucket
+        without ``s3:DeleteObject``), the step cannot be written in place without a moment where
+        an old manifest names new files, so this save is skipped (a transient outcome: training
+        goes on, the next due step is another directory). A step directory that is empty costs one
+        listing and no delete at all."""
+        lost = self.still_owned()
+        if lost is not None:
+            raise RunTakenOver(f"not written: {lost} (another job owns this run now)")
+        if not self.store.list(name + "/"):
+            return
+        if not self.tidy.remove(self.store, name):
+            raise Transient(self.store.where(name), "an earlier save of this step is there and its manifest "
+                            "cannot be deleted (see the warning above): this step is not saved")
 
     def _write_own(self, job: SaveJob, name: str, out: dict) -> None:
         """This rank's piece file (when it holds pieces), streamed from the staging slabs, block
-        CRCs in the same pass; then its sidecar (always: it carries the rank's RNG states)."""
+        CRCs in the same pass, sent again whole after a transient failure within the store's retry
+        budget (``SaveStream.replay`` says where its bytes come from again); then its sidecar
+        (always: it carries the rank's RNG states)."""
         rel, nbytes, pieces = None, 0, []
         if job.stream is not None:
-            rel = layout.rank_file(self.ctx.rank)
-            with self.store.open_write(f"{name}/{rel}") as fh:
-                head, crcs, nbytes = write_pieces(fh, job.stream.specs[rel], job.stream.chunks(rel),
-                                                  {"format": "pt", "podtrain": __version__})
+            from podtrain.ckpt.staging import NotReplayable
+
+            rel, stream = layout.rank_file(self.ctx.rank), job.stream
+            path, writers = f"{name}/{rel}", []
+
+            def fill(fh):
+                # Every try from the file's first byte: a multipart upload that lost a part is
+                # aborted, and one rank's failed part must not abandon the whole save (the chance
+                # of one grows with the world size). ``chunks`` replays the kept slabs, or has the
+                # step loop stage them again (staging: the rule, within the staging budget).
+                writers.append(fh)
+                return write_pieces(fh, stream.specs[rel], stream.chunks(rel),
+                                    {"format": "pt", "podtrain": __version__})
+
+            try:
+                if stream.replayable:
+                    head, crcs, nbytes = self.store.write_replayable(path, fill)
+                else:
+                    with self.store.open_write(path) as fh:
+                        head, crcs, nbytes = fill(fh)
+            except NotReplayable as exc:  # the bytes did not outlive the failure: a transient fault still
+                failed = getattr(writers[-2], "error", None) if len(writers) > 1 else None
+                raise Transient(self.store.where(path), f"{failed.cause if failed else 'the write failed'}; "
+                                                        f"{exc}") from None
+            finally:
+                stream.done_with(rel)  # its slabs back to the pool; a step loop holding them goes on
             offset = head
             for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
                 pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
                 offset += spec.nbytes
-        meta = sidecar.encode(rel, nbytes, pieces, job.rng)
+        meta = sidecar.encode(rel, nbytes, pieces, job.rng, job.save_id)
         self.store.write_bytes(f"{name}/{sidecar.sidecar(self.ctx.rank)}", meta)
         out["record"] = (rel, {"bytes": nbytes}) if rel else None
         out["sizes"] = (nbytes if rel else None, len(meta))
@@ -292,9 +387,9 @@ class CheckpointWriter:
                  layout.STATE_JSON: json.dumps(state, indent=1).encode()}
         if job.model_config is not None:
             blobs[layout.CONFIG_JSON] = job.model_config.encode()
-        lost = self.still_owned()
+        lost = self.still_owned()  # again: the writes took time, and the manifest is what counts
         if lost is not None:
-            raise UserError(f"not committed: {lost} (another job owns this run now)")
+            raise RunTakenOver(f"not committed: {lost} (another job owns this run now)")
         files: dict[str, dict] = {}
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
@@ -302,19 +397,34 @@ class CheckpointWriter:
         piece_files = [b for b, _ in sizes if b is not None]
         ranks = {"sidecars": len(sizes), "sidecar_bytes": sum(m for _, m in sizes),
                  "piece_files": len(piece_files), "piece_bytes": sum(piece_files)}
-        manifest = {"format": layout.FORMAT, "step": job.step, "version": __version__, **job.lineage,
+        manifest = {"format": layout.FORMAT, "step": job.step, "save_id": job.save_id, "version": __version__, **job.lineage,
                     "world_size": self.ctx.world_size, "strategy": job.strategy, "created": time.time(),
                     "mesh": job.mesh, "tensors": job.tensors, "files": files, "ranks": ranks}
-        self.store.write_bytes(f"{name}/{layout.MANIFEST}", json.dumps(manifest, separators=(",", ":")).encode())
+        self.store.write_bytes(f"{name}/{layout.MANIFEST}", layout.sealed_manifest(manifest))
         job.nbytes = sum(r["bytes"] for r in files.values()) + ranks["piece_bytes"] + ranks["sidecar_bytes"]
-        if not self.local:  # the local tier: every rank prunes its own files (above)
-            layout.write_latest(self.store, name)
-            layout.apply_retention(self.store, job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage)
+
+    def _publish(self, job: SaveJob, name: str) -> None:
+        """Rank 0, after the commit: point ``latest`` at it, then retention. Neither can fail the
+        save (the checkpoint is committed: a failure here deleting it would lose the only copy),
+        and retention runs only once ``latest`` names the new checkpoint, so an older checkpoint is
+        never deleted before the newer one is both committed and published. A refused write or
+        delete is a warning (``layout.Housekeeping``); the next save tries again."""
+        if not self.tidy.attempt(self.store, f"point {layout.LATEST} at {name}", layout.write_latest, self.store, name):
+            return  # retention waits for a published checkpoint (the next save)
+        self.tidy.attempt(self.store, f"apply retention after {name}", layout.apply_retention, self.store,
+                          job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage, None, self.tidy)
 
     def _first_error(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
-        """Every rank: the first rank's error of a step every rank ran (rank 0 gathers, broadcasts)."""
+        """Every rank: the first rank's error of a step every rank ran (rank 0 gathers, broadcasts;
+        the save's opening: ``_opening``)."""
         errors = self._gather(error, job)
-        return self._broadcast(next((e for e in errors if e), None) if self.ctx.is_main else None, job)
+        return self._opening(job, next((e for e in errors if e), None) if self.ctx.is_main else None)
+
+    def _opening(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
+        """Every rank: rank 0's verdict on the save's first phase (``error``, rank 0's), broadcast
+        with the save's id, which rank 0 makes: no collective of its own for it."""
+        error, job.save_id = self._broadcast((error, new_save_id()) if self.ctx.is_main else None, job)
+        return error
 
     def _gather(self, obj: Any, job: SaveJob) -> list[Any]:
         """Every rank sends ``obj`` to rank 0 alone; rank 0 gets the list (others: []).

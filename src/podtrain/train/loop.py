@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -78,7 +79,15 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         result = train(cfg, env)
         report.code, report.step = result.exit_code, result.step
-        return result.exit_code
+    if result.left_running:
+        # The stop's deadline left a request to a storage that does not answer in a daemon thread:
+        # the interpreter's teardown (the S3 client's native threads) can wait on it for seconds
+        # past the grace period (measured: 4-6 s), so this process ends here, its output flushed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(result.exit_code)
+    return result.exit_code
 
 
 def train(cfg: RunConfig, env: ClusterEnv | None = None) -> TrainResult:
@@ -142,6 +151,8 @@ class Trainer:
         self.saves: SaveSchedule | None = None
         self.state: TrainState | None = None
         """What the loop, saving and recovery share; the end of ``setup`` makes it."""
+        self.stop_deadline = None
+        """After a stop signal: the one deadline of the stop path (``saving.stop_deadline``)."""
 
     # -- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -397,7 +408,8 @@ class Trainer:
         the requeue status."""
         state = self.state
         self._stop_watchdog()  # the final write may take longer than a step may
-        saving.save_for_stop(state)
+        self.stop_deadline = saving.stop_deadline(state)  # close() shares it: one bound for the whole stop
+        saving.save_for_stop(state, self.stop_deadline)
         state.metrics.write(state.goodput.closing_record(state.progress.step, state.stop_signal.ending))
         self.ctx.barrier()  # every rank has its part on disk
         if self.ctx.env.launcher == "torchrun" and self.ctx.env.local_rank == 0:
@@ -414,9 +426,12 @@ class Trainer:
         A failed background save surfaces here (on every rank alike); the rest is released anyway.
         """
         self._stop_watchdog()  # the last save's write and teardown are not steps
+        if self.stop_deadline is None and self.state is not None and self.stop_signal is not None \
+                and self.stop_signal.requested:  # a signal, then an error before the stop's own save
+            self.stop_deadline = saving.stop_deadline(self.state)
         try:
             if self.checkpointer is not None:
-                self.checkpointer.close()
+                self.result.left_running = not self.checkpointer.close(deadline=self.stop_deadline)
         finally:
             self._release()
 

@@ -18,6 +18,7 @@ from podtrain.ckpt.state import restore_rng
 from podtrain.config import to_dict
 from podtrain.data.loader import ShardedLoader
 from podtrain.errors import UserError
+from podtrain.storage.retry import Deadline
 from podtrain.train.guard import Guard, StepJudge, weights_finite
 from podtrain.train.resume import tokenizer_identity
 from podtrain.train.state import RunProgress, TrainState
@@ -59,10 +60,12 @@ def due(state: TrainState, total: int) -> str | None:
     return "local" if state.checkpointer.local_due(step) else None
 
 
-def save(state: TrainState, tier: str = "durable", must: bool = False) -> float | None:
+def save(state: TrainState, tier: str = "durable", must: bool = False,
+         deadline: Deadline | None = None) -> float | None:
     """Checkpoint this step (every rank) to ``tier``; returns the step loop's stall in seconds,
     or None when the save was skipped (the previous one still being written: ``ckpt.save_wait_s``).
-    ``must``: the last step, which waits for the previous save rather than skip.
+    ``must``: the last step, which waits for the previous save rather than skip. ``deadline``: a
+    stop's (``Checkpointer.save``: an older save in flight is cancelled and waited for until then).
 
     The stall is the host time of ``Checkpointer.save`` plus, on a GPU, the time the optimizer
     step after the previous save waited on the device for that save's copies (CUDA events, known
@@ -75,7 +78,7 @@ def save(state: TrainState, tier: str = "durable", must: bool = False) -> float 
     device_wait = checkpointer.device_stall_s()
     t0 = time.perf_counter()
     saved = checkpointer.save(step, learner.model, learner.optimizer, learner.scaler, train_state(state),
-                              local=tier == "local", must=must)
+                              local=tier == "local", must=must, deadline=deadline)
     host = time.perf_counter() - t0
     stall = state.goodput.add("save_stall", host + device_wait)
     state.metrics.write({"kind": "save", "step": step, "save_s": stall, "tier": tier,
@@ -87,19 +90,34 @@ def save(state: TrainState, tier: str = "durable", must: bool = False) -> float 
     return host
 
 
-STOP_SAVE_SHARE = 0.8
-"""The share of ``ckpt.grace_s`` a stop signal's save may take before it is abandoned."""
+EXIT_RESERVE_S = 5.0
+"""The part of ``ckpt.grace_s`` kept for the process's own exit after the stop path (the process
+group's teardown, the interpreter's): at most this, at most a tenth of the grace."""
+STOP_SAVE_RESERVE_S = 3.0
+"""The part of the stop's deadline the save leaves to ``Checkpointer.close`` (the lease's release,
+the writer threads' ends): at most this, at most a fifth of what is left."""
 
 
-def save_for_stop(state: TrainState) -> bool:
-    """Every rank, after a stop signal: checkpoint this step within the grace period, whatever
-    the storage does (past it the scheduler's SIGKILL would cut the write anyway, so an unfinished
-    save is abandoned and nothing of it commits); rank 0 says how it went. True when saved."""
+def stop_deadline(state: TrainState) -> Deadline:
+    """The one deadline of the whole stop path on this rank: ``ckpt.grace_s`` after the signal
+    reached it (after now, when it reached another rank), less the exit's reserve. Every wait
+    after the signal (the save of each tier, the writers, the replicas, the lease) takes only what
+    is left of it, so the process exits within the grace period whatever the storage does."""
+    grace = state.cfg.ckpt.grace_s
+    since = state.stop_signal.seconds_since_signal() or 0.0
+    return Deadline.after(grace - since - min(EXIT_RESERVE_S, grace / 10))
+
+
+def save_for_stop(state: TrainState, deadline: Deadline) -> bool:
+    """Every rank, after a stop signal: checkpoint this step by ``deadline`` (``stop_deadline``),
+    whatever the storage does: an older save still in flight (retrying through an outage, say) is
+    cancelled and this step saved instead; an unfinished save at the deadline is cancelled and
+    nothing of it commits (past the grace period the scheduler's SIGKILL would cut it anyway).
+    Rank 0 says how it went. True when saved."""
     cfg, step, stop_signal, checkpointer = state.cfg.ckpt, state.progress.step, state.stop_signal, state.checkpointer
-    saved = save(state) is not None
-    since = stop_signal.seconds_since_signal() or 0.0
-    budget = max(1.0, STOP_SAVE_SHARE * cfg.grace_s - since)
-    waited = checkpointer.wait(timeout=budget, abandon_wait_s=max(1.0, (1 - STOP_SAVE_SHARE) / 2 * cfg.grace_s))
+    save_by = deadline.sooner(min(STOP_SAVE_RESERVE_S, deadline.remaining() / 5))
+    saved = save(state, deadline=save_by) is not None
+    waited = checkpointer.wait(deadline=save_by)
     saved = saved and checkpointer.last_save.get("step") == step
     if state.ctx.is_main:  # one line for the job, not one per rank
         if saved:
@@ -121,8 +139,8 @@ def should_stop(state: TrainState) -> bool:
         raise UserError(f"another job took over this run at step {state.progress.step} ("
                         f"{checkpointer.lease_lost or 'see rank 0'}): this job stops without "
                         "saving, so that two jobs never write one run")
-    if stop and stop_signal.save_failed_agreed:
-        checkpointer.wait()  # raises the failure (every rank's writer learned the same)
+    if stop and stop_signal.save_failed_agreed:  # raises the failure (every rank's writer learned the same);
+        checkpointer.wait(deadline=Deadline.after(state.cfg.ckpt.save_wait_s))  # the other tier's save may hang
     return stop
 
 

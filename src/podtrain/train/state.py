@@ -129,6 +129,8 @@ class TrainResult:
         final_loss: last logged training loss (token-weighted over ranks), or None.
         val_loss: last validation loss, or None.
         val_bpb: last validation bits per byte, or None.
+        left_running: the stop's deadline passed with storage work still running in daemon
+            threads (a storage that never answers): the CLI then exits at once (``loop.run``).
     """
 
     step: int
@@ -136,3 +138,4 @@ class TrainResult:
     final_loss: float | None = None
     val_loss: float | None = None
     val_bpb: float | None = None
+    left_running: bool = False
