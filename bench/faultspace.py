@@ -45,12 +45,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="POSIX keep_last=1, four modes, one damage mode")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 scenario")
+    ap.add_argument("--only-s3", action="store_true", help="only the S3 scenario")
+    ap.add_argument("--modes", default="", help="comma-separated modes instead of every one (" +
+                    ", ".join(("transient", "once", "denied", "nospace", "kill_before", "kill_after")) + ")")
     args = ap.parse_args()
     import faultspace as fs
 
     work = Path(tempfile.mkdtemp(prefix="podtrain-faultspace-"))
-    scenarios = [(fs.Scenario("posix keep_last=1", lambda root: str(root / "shared"), keep_last=1), None)]
-    if not args.quick:
+    scenarios = [] if args.only_s3 else [(fs.Scenario("posix keep_last=1", lambda root: str(root / "shared"),
+                                                      keep_last=1), None)]
+    if not args.quick and not args.only_s3:
         scenarios.append((fs.Scenario("posix keep_last=2", lambda root: str(root / "shared"), keep_last=2), None))
     server = saved = None
     if not args.quick and not args.no_s3:
@@ -60,7 +64,10 @@ def main() -> int:
         bucket = server.new_bucket()
         scenarios.append((fs.Scenario("s3 keep_last=1", lambda root: f"s3://{bucket}/shared", keep_last=1, s3=True),
                           fs.S3Snapshots(server.boto)))
-    modes = QUICK_MODES if args.quick else fs.CALL_MODES
+    modes = tuple(args.modes.split(",")) if args.modes else QUICK_MODES if args.quick else fs.CALL_MODES
+    unknown = set(modes) - set(fs.CALL_MODES)
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(sorted(unknown))}")
     failures, lines = 0, []
     t_all = time.perf_counter()
     try:

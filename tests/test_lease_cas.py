@@ -23,7 +23,7 @@ from podtrain.errors import UserError
 from podtrain.storage import RetryPolicy, StorageError, open_store, shared_s3_clients
 from s3_fault_proxy import S3FaultProxy
 
-ROUNDS = 30
+ROUNDS = 15
 WAIT_S = 60.0
 """Deadline of every wait of these tests on another process (they take well under a second)."""
 
