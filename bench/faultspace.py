@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="POSIX keep_last=1, four modes, one damage mode")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 scenario")
     ap.add_argument("--only-s3", action="store_true", help="only the S3 scenario")
+    ap.add_argument("--only-local", action="store_true", help="only the POSIX scenario with a node-local tier")
     ap.add_argument("--modes", default="", help="comma-separated modes instead of every one (" +
                     ", ".join(("transient", "once", "denied", "nospace", "kill_before", "kill_after")) + ")")
     args = ap.parse_args()
@@ -56,6 +57,8 @@ def main() -> int:
                                                       keep_last=1), None)]
     if not args.quick and not args.only_s3:
         scenarios.append((fs.Scenario("posix keep_last=2", lambda root: str(root / "shared"), keep_last=2), None))
+        scenarios.append((fs.Scenario("posix + local tier", lambda root: str(root / "shared"), keep_last=1,
+                                      local=True), None))
     server = saved = None
     if not args.quick and not args.no_s3:
         from s3_server import start_with_env
@@ -64,6 +67,8 @@ def main() -> int:
         bucket = server.new_bucket()
         scenarios.append((fs.Scenario("s3 keep_last=1", lambda root: f"s3://{bucket}/shared", keep_last=1, s3=True),
                           fs.S3Snapshots(server.boto)))
+    if args.only_local:
+        scenarios = [(fs.Scenario("posix + local tier", lambda root: str(root / "shared"), keep_last=1, local=True), None)]
     modes = tuple(args.modes.split(",")) if args.modes else QUICK_MODES if args.quick else fs.CALL_MODES
     unknown = set(modes) - set(fs.CALL_MODES)
     if unknown:

@@ -138,12 +138,16 @@ class Scenario:
     """The ``ckpt.dir`` of a root (a folder, or an ``s3://`` prefix of its own)."""
     keep_last: int = 1
     s3: bool = False
+    local: bool = False
+    """With a node-local tier (``ckpt.local_dir`` under the root, a local save of every step
+    before the durable one; one node: no peer replicas)."""
 
     def cfg(self, root: Path):
         """The job's checkpoint section (defaults but for where and how many)."""
         from podtrain.config_sections import CkptSection
 
-        return CkptSection(dir=self.ckpt_dir(root), keep_last=self.keep_last, lease_timeout_s=600.0)
+        local = {"local_dir": str(root / "local"), "local_every": 1, "local_keep": 1} if self.local else {}
+        return CkptSection(dir=self.ckpt_dir(root), keep_last=self.keep_last, lease_timeout_s=600.0, **local)
 
 
 def run_job(root: Path, scenario: Scenario, result: Path) -> None:
@@ -173,6 +177,8 @@ def run_job(root: Path, scenario: Scenario, result: Path) -> None:
             train_step(model, opt, step)
             seed_rngs(step)
             out["saving"] = step
+            if scenario.local:
+                ck.save(step, model, opt, None, train_state(step), local=True)
             ck.save(step, model, opt, None, train_state(step))
         finally:
             ck.close()

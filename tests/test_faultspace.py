@@ -75,3 +75,15 @@ def test_a_damaged_file_of_the_newest_checkpoint_falls_back_whole(tmp_path_facto
     broken = [f"{v.point}: {'; '.join(v.broken)}" for v in verdicts if not v.held]
     assert not broken, broken
     assert files >= 6 and any("meta_00000.json" in v.point for v in verdicts)
+
+
+def test_a_refused_read_of_a_local_marker_falls_back_to_the_durable_tier(tmp_path_factory):
+    # it used to read as "not held here" and clear the rank's own local files, then crash
+    scenario = fs.Scenario("posix + local tier", lambda root: str(root / "shared"), keep_last=1, local=True)
+    space = fs.prepare_space(scenario, tmp_path_factory.mktemp("local") / "work")
+    calls = fs.count_calls(space)["calls"]
+    markers = [i for i, c in enumerate(calls, 1) if c == "read_bytes(step_000002/rank_00000.json)"]
+    assert len(markers) >= 2  # the restore reads rank 0's marker more than once
+    n, verdicts = fs.enumerate_calls(space, modes=("denied",), points=markers)
+    broken = [f"{v.point}: {'; '.join(v.broken)}" for v in verdicts if not v.held]
+    assert not broken, broken

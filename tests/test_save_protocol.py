@@ -190,3 +190,24 @@ def test_a_lease_taken_while_the_ranks_write_stops_the_commit(tmp_path, monkeypa
     step_dir = tmp_path / "ckpt" / "step_000005"
     assert not (step_dir / "manifest.json").exists()
     assert (step_dir / "rank_00000.safetensors").exists()  # left for the new holder to clear: not ours to delete
+
+
+def test_retention_that_cannot_read_an_older_checkpoint_never_fails_the_save(tmp_path):
+    # an older step whose manifest names a pickle file: retention asks its lineage and is refused
+    # (UnsafeCheckpoint, not a storage error); rank 0 must still reach the save's last broadcast
+    model, opt = tiny()
+    ck = Checkpointer(tmp_path, CkptSection(keep_last=0, async_save=False), single_ctx())
+    for step in (1, 2):
+        ck.save(step, model, opt, None, state(step))
+    ck.close()
+    step2 = tmp_path / "ckpt" / "step_000002"
+    manifest = layout.read_manifest(open_store(str(tmp_path / "ckpt")), "step_000002")
+    manifest["files"]["weights.pt"] = {"bytes": 1, "crc32": 0}
+    (step2 / "manifest.json").write_bytes(layout.sealed_manifest(manifest))
+    with Messages() as said:
+        ck = Checkpointer(tmp_path, CkptSection(keep_last=1, async_save=False), single_ctx())
+        assert ck.save(3, model, opt, None, state(3))
+        ck.close()
+    store = open_store(ck.identity.ckpt_url)
+    assert 3 in [s for s, _ in layout.committed_steps(store)]
+    assert any("retention after step_000003 failed" in line for line in said.lines), said.lines

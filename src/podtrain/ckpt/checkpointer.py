@@ -361,7 +361,7 @@ class Checkpointer(RestoreMixin):
             return
         self._last_step = None  # that step is not on disk: saving it again must not be skipped
         if isinstance(job.error, SaveAbandoned) and not final:
-            if self._outage_since is None:
+            if self._outage_since is None and not job.local:  # the durable storage's outage only
                 self._outage_since = self.store.retry.failing_since or job.submitted
             if self.ctx.is_main:
                 log.warning("%s; nothing of it is committed, the next save tries again (the newest checkpoint "
@@ -435,6 +435,37 @@ class Checkpointer(RestoreMixin):
         abandoned, and neither it nor anything later is committed or reported."""
         self._discarded = True
         self.abandon()
+
+    def quiesce(self, bound_s: float) -> None:
+        """Every rank, before a restore inside a running job (the guard's rollback): afterwards no
+        save of either tier is in flight on any rank. A restore must never run beside a writer: it
+        uses the writer's gloo group and staging pool, and ranks that disagreed on which saves are
+        pending would later vote in different collectives. The saves are waited for up to
+        ``bound_s``, agreed every second with one MAX all_reduce; then cancelled (the newest state
+        wins) and given ``ABANDON_WAIT_S`` more; one still running then stops the run with the
+        retryable ``StorageOutage`` (a rerun resumes from the newest committed checkpoint)."""
+        jobs = [job for job in (self._pending, self._pending_local) if job is not None]
+        t0, cancelled = time.monotonic(), False
+        while True:  # every rank runs the same rounds: each ends in the same all_reduce
+            end = time.monotonic() + 1.0
+            for job in jobs:
+                job.done.wait(max(0.0, end - time.monotonic()))
+            here = 0.0 if all(job.done.is_set() for job in jobs) else 1.0
+            not_done, elapsed = self.ctx.all_reduce_max([here, time.monotonic() - t0])
+            if not_done == 0.0:
+                break
+            if elapsed > bound_s and not cancelled:
+                for job in jobs:
+                    job.cancel.cancel("the guard rolls back to the newest committed checkpoint")
+                cancelled = True
+            if elapsed > bound_s + ABANDON_WAIT_S:
+                self.abandon()
+                raise StorageOutage(self.store.url, (
+                    f"a save is still being written {elapsed:.0f} s after the guard asked to roll back "
+                    f"(the storage is not answering): stopping with exit code {StorageOutage.exit_code} so "
+                    f"that the scheduler retries the job, which resumes from {self._newest_name()}"))
+        for job in jobs:
+            self._finish(job)  # the same outcome on every rank (the writers broadcast it)
 
     def wait(self, timeout: float | None = None, final: bool = False, deadline: Deadline | None = None) -> float:
         """Block until the saves in flight (durable, then local) are committed (a local one: and

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from podtrain.ckpt import layout, local_tier
+from podtrain.ckpt.store import NotFound
+from podtrain.ckpt.tensorio import CorruptCheckpoint
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -262,8 +264,8 @@ def where_held(store, name: str, owner: int, save_id: str | None) -> str | None:
     for prefix in (name, f"{name}/{replica_dir(owner)}"):
         try:
             body = json.loads(store.read_bytes(f"{prefix}/{local_tier.marker(owner)}"))
-        except Exception:  # no marker here (or not one): not held here
-            continue
+        except (NotFound, FileNotFoundError, ValueError):  # no marker here (or not one): not held here
+            continue  # (a storage that fails the read is raised: "not held" would clear the rank's files)
         if isinstance(body, dict) and body.get("save_id") == save_id:
             return prefix
     return None
@@ -332,6 +334,8 @@ def repair(store, step: int, save_id: str | None, source: dict[int, int], rank: 
     name = layout.step_name(step)
     if source.get(rank) == rank:
         prefix = where_held(store, name, rank, save_id)
+        if prefix is None:  # gone since the holdings were reported: nothing here may be cleared for it
+            raise CorruptCheckpoint(f"{store.url}/{name}: rank {rank}'s files of save {save_id} are no longer here")
         if prefix != name:
             _link_own(store, prefix, name, rank)
     sends: dict[int, list[int]] = {}

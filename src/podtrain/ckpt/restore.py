@@ -181,8 +181,15 @@ class RestoreMixin:
             if not self._repair_from_peers(step, save_id, source):
                 return None, False
         else:  # nothing moves between ranks; a rank may still hold its own part as a replica here
-            self._agreed(self.local.url, lambda: replicas.repair(self.local, step, save_id, source,
-                                                                 self.ctx.rank, None))
+            problem = None
+            try:
+                replicas.repair(self.local, step, save_id, source, self.ctx.rank, None)
+            except (StorageError, OSError, CorruptCheckpoint) as exc:  # agreed below: all fall back together
+                problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+            problems = [p for p in self.ctx.all_gather_object(problem) if p]
+            if problems:
+                log.warning("local step %d could not be used (%s): resuming from the durable tier", step, problems[0])
+                return None, False
         held = local_tier.held_steps(self.local, self.ctx.rank, world)
         common = local_tier.newest_common(self.ctx.all_gather_object(held))  # (step, save id) every rank holds
         if common is None:

@@ -287,11 +287,13 @@ class CheckpointWriter:
                 if error is None:
                     self._publish(job, name)  # never fails the save: the manifest is the commit
                 elif error[0] != "lease":  # a run another job owns now: its step, not ours to touch
-                    self.tidy.remove(self.store, name)  # no half-written checkpoint stays (best effort)
+                    with cancellation(None):  # a cancelled save's files go too (its own retries ended)
+                        self.tidy.remove(self.store, name)  # no half-written checkpoint stays (best effort)
         error = self._broadcast(error, job)
         if self.local:
             if error is not None:
-                self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
+                with cancellation(None):  # as above: a cancelled save's local files go too
+                    self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
             else:
                 if self.replicator is not None:
                     self.replicator.committed(job.step)
@@ -409,10 +411,14 @@ class CheckpointWriter:
         and retention runs only once ``latest`` names the new checkpoint, so an older checkpoint is
         never deleted before the newer one is both committed and published. A refused write or
         delete is a warning (``layout.Housekeeping``); the next save tries again."""
-        if not self.tidy.attempt(self.store, f"point {layout.LATEST} at {name}", layout.write_latest, self.store, name):
-            return  # retention waits for a published checkpoint (the next save)
-        self.tidy.attempt(self.store, f"apply retention after {name}", layout.apply_retention, self.store,
-                          job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage, None, self.tidy)
+        try:  # rank 0 must reach the broadcast that follows whatever happens here, or every rank waits
+            if not self.tidy.attempt(self.store, f"point {layout.LATEST} at {name}", layout.write_latest,
+                                     self.store, name):
+                return  # retention waits for a published checkpoint (the next save)
+            self.tidy.attempt(self.store, f"apply retention after {name}", layout.apply_retention, self.store,
+                              job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage, None, self.tidy)
+        except Exception:  # a checkpoint retention cannot read (an unsafe or old-format one): not a failed save
+            log.exception("retention after %s failed; the checkpoint is committed and training goes on", name)
 
     def _first_error(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
         """Every rank: the first rank's error of a step every rank ran (rank 0 gathers, broadcasts;

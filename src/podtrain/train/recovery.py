@@ -21,7 +21,6 @@ from podtrain.data.manifest import tokenizer_identity
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import build_model, unwrap
-from podtrain.storage.retry import Deadline
 from podtrain.train.guard import Rollback
 from podtrain.train.replicas import check_replicas
 from podtrain.train.resume import check_resume, reapply_optimizer_hyperparameters
@@ -72,8 +71,9 @@ def roll_back(state: TrainState, plan: Rollback) -> None:
     detected_at = state.progress.step
     loader, guard = state.loader, state.guard
     # The newest save first, as long as the step loop may wait for one (ckpt.save_wait_s): one
-    # still retrying through an outage is cancelled, and the rollback takes the newest committed.
-    state.checkpointer.wait(deadline=Deadline.after(state.cfg.ckpt.save_wait_s))
+    # still retrying through an outage is cancelled, and the rollback takes the newest committed;
+    # every rank agrees that no save is in flight before any restores (quiesce).
+    state.checkpointer.quiesce(state.cfg.ckpt.save_wait_s)
     resumed = restore_checkpoint(state.cfg, state.ctx, state.learner, state.checkpointer,
                                  tokenizer_identity(loader.manifest.tokenizer), resume="auto")
     if resumed is None:
