@@ -93,6 +93,16 @@ def seed_rngs(value: int) -> None:
     torch.manual_seed(value)
 
 
+def restore_once(run_dir: Path, cfg: CkptSection, model, opt):
+    """A restore by a Checkpointer of its own, closed after (its lease must not go on renewing
+    into later tests of this worker: a removed lease is reported as lost)."""
+    ck = Checkpointer(run_dir, cfg, single_ctx())
+    try:
+        return ck.restore(model, opt, None)
+    finally:
+        ck.close()
+
+
 def save_sync(run_dir: Path, step: int, model, opt, **cfg) -> None:
     ck = Checkpointer(run_dir, CkptSection(**cfg), single_ctx())
     ck.save(step, model, opt, None, train_state(step))
@@ -225,7 +235,7 @@ def test_flipped_byte_is_skipped_with_a_warning(tmp_path):
 
     model2, opt2 = tiny(seed=5)
     with Records() as rec:
-        state = Checkpointer(tmp_path, CkptSection(), single_ctx()).restore(model2, opt2, None)
+        state = restore_once(tmp_path, CkptSection(), model2, opt2)
     assert state.step == 1 and same_state(step1, weights(model2))
     warning = [m for m in rec.messages if "failed its checks" in m]
     assert len(warning) == 1 and "step_000002" in warning[0] and "rank_00000.safetensors" in warning[0]
@@ -314,7 +324,7 @@ def test_pickle_file_without_manifest_entry_skips_that_checkpoint(tmp_path, capl
     ck.close()
     assert state.step == 1 and "step_000002 holds extra.pt" in caplog.text
     with pytest.raises(UserError, match="extra.pt"):
-        Checkpointer(tmp_path, CkptSection(resume=str(ckpt)), single_ctx()).restore(*tiny(), None)
+        restore_once(tmp_path, CkptSection(resume=str(ckpt)), *tiny())
     assert not side_effect.exists()
 
 
@@ -393,8 +403,7 @@ def test_load_latest_weights_and_user_errors(tmp_path):
     with pytest.raises(UserError, match="no complete checkpoint"):
         load_latest_weights(tmp_path / "empty")
     with pytest.raises(UserError, match="ckpt.resume"):
-        Checkpointer(tmp_path, CkptSection(resume=str(tmp_path / "empty")), single_ctx()).restore(
-            model, opt, None)
+        restore_once(tmp_path, CkptSection(resume=str(tmp_path / "empty")), model, opt)
 
 
 def test_other_architecture_is_a_user_error(tmp_path):
@@ -402,8 +411,7 @@ def test_other_architecture_is_a_user_error(tmp_path):
     save_sync(tmp_path, 1, model, opt)
     other = build_model(preset_config("tiny", VOCAB + 64), seed=0)
     with pytest.raises(UserError, match="does not fit this model"):
-        Checkpointer(tmp_path, CkptSection(), single_ctx()).restore(
-            other, torch.optim.AdamW(other.parameters()), None)
+        restore_once(tmp_path, CkptSection(), other, torch.optim.AdamW(other.parameters()))
 
 
 def test_should_save_and_repeated_step(tmp_path):

@@ -144,7 +144,11 @@ def _check_saved(url, run_dir, results, history, s3_server, bucket) -> None:
     assert _incomplete(s3_server, bucket, refused_aborts) == refused_aborts
     assert all(r["in_use"] == 0 for r in results)  # every slab back in the pool
     model, opt = _trained(seed=1)
-    Checkpointer(run_dir, CkptSection(dir=url), gloo_context()).restore(model, opt, None)
+    ck = Checkpointer(run_dir, CkptSection(dir=url), gloo_context())
+    try:
+        ck.restore(model, opt, None)
+    finally:
+        ck.close()  # its lease must not go on renewing into the worker's later tests
     ref_model, ref_opt = _trained(seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref_model.state_dict().values()))
     for a, b in zip(opt.state.values(), ref_opt.state.values()):
