@@ -240,7 +240,7 @@ class Injector:
                 writer = original(store, *args, **kwargs)
                 return _FaultyWriter(writer, injector, store, args[0]) if hit else writer
             if hit and injector.mode != "kill_after":
-                injector.fire(store, args[0] if args else "", before=True)
+                injector.fire(store, args[0] if args else "")
             injector._depth.n = depth + 1
             try:
                 result = original(store, *args, **kwargs)
@@ -259,8 +259,8 @@ class Injector:
         if self.log is not None:
             self.log.write_text(f"{number} {method}({args[0] if args else ''})")
 
-    def fire(self, store, name: str, before: bool) -> None:
-        """Carry out the mode at the chosen call (``before``: the call has not happened yet)."""
+    def fire(self, store, name: str) -> None:
+        """Carry out the mode at the chosen call, before it happens (``kill_after`` is the caller's)."""
         from podtrain.storage.errors import AccessDenied, NoSpace, Transient
 
         where = store.where(name) if name else str(store.url)
@@ -315,7 +315,7 @@ class _FaultyWriter:
         mode = self.injector.mode
         if mode in ("transient", "denied", "nospace", "kill_before"):
             try:
-                self.injector.fire(self.store, self.name, before=True)
+                self.injector.fire(self.store, self.name)
             except BaseException:
                 self.inner.abort()
                 raise
