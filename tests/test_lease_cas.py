@@ -72,10 +72,16 @@ def _take_over(taker: Lease) -> None:
 
 
 def _holder(store) -> str | None:
-    try:
-        return json.loads(store.read_bytes(LEASE_FILE))["job"]
-    except StorageError:
-        return None
+    """The job named by ``store``'s lease; None when there is none. Read up to 10 times over ~1 s
+    while it reads as absent or torn: the test S3 server (moto) disposes of an object's old body
+    when a PUT replaces it, so a read overlapping a renewal of the live holder (every 0.075 s here)
+    can fail or return a torn body. A lease truly removed or overwritten reads so every time."""
+    for _ in range(10):
+        try:
+            return json.loads(store.read_bytes(LEASE_FILE))["job"]
+        except (StorageError, ValueError, KeyError):
+            time.sleep(0.1)
+    return None
 
 
 # -- two processes racing, many rounds -------------------------------------------------------------
