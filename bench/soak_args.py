@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated fault kinds of every round (default {','.join(KINDS)})")
     args = p.parse_args(argv)
+    if args.s3_outage_s > 0:
+        # The S3 round runs a real S3 server (moto) in this process and talks to it as training does.
+        missing = [m for m in ("moto", "s3torchconnector", "boto3") if importlib.util.find_spec(m) is None]
+        if missing:
+            p.error(f"--s3-outage-s: the S3 round needs {', '.join(missing)} (pip install -e '.[test]'), "
+                    "or pass --s3-outage-s 0 to skip it")
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     chosen = set(filter(None, args.kinds.split(",")))
@@ -47,7 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kinds == ["corrupt"]:
         p.error("--kinds: corrupt needs another kind (a checkpoint is corrupted between launches)")
     # kill and term move the resume point at most 2 x ckpt.every - 1 steps each, and the last
-    # one must land 2 x ckpt.every before the end.
     # one must land 2 x ckpt.every before the end; an enospc launch moves it at most ckpt.every.
     need = (2 * len([k for k in args.kinds if k in ("kill", "term")]) + 2 + ("enospc" in args.kinds)) * args.ckpt_every
     if args.steps < need:

@@ -16,7 +16,6 @@ The server and the proxy are the test suite's own (tests/s3_server.py, tests/s3_
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,24 +26,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from s3_fault_proxy import OutageDirector, S3FaultProxy  # noqa: E402
 from s3_server import restore_env, start_with_env  # noqa: E402
+from outage_recovery import records  # noqa: E402
 
 OUTAGE_EXIT_CODE = 203
-
-
-def _train_records(run_dir: Path) -> list[dict]:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("kind") == "train":
-            out.append(record)
-    return out
 
 
 def s3_round(soak, data: Path, ref: dict, outage_s: float) -> dict:
@@ -80,8 +64,8 @@ def _outage_launch(soak, data, ref, server, proxy, outage_s: float) -> dict:
     finally:
         director.finish()
         soak.args.set.pop()
-    records = _train_records(run_dir)
-    during = [r["step"] for r in records if director.began and director.began <= r["time"] <= (director.ended or 0)]
+    train = records(run_dir, "train")
+    during = [r["step"] for r in train if director.began and director.began <= r["time"] <= (director.ended or 0)]
     out = {"outage_s": outage_s, "outage_exit": code, "outage_wall_s": round(wall, 1),
            "steps_during_outage": len(during), "requests_failed": proxy.stats()["failed"]}
     problems = []
@@ -92,7 +76,7 @@ def _outage_launch(soak, data, ref, server, proxy, outage_s: float) -> dict:
     elif not during and director.began is not None:
         problems.append("no step was logged during the outage: the step loop waited for S3")
     if code == 0:
-        attempt = soak.compare("s3_outage", run_dir, [_attempt(records, code)], ref)
+        attempt = soak.compare("s3_outage", run_dir, [_attempt(train, code)], ref)
         out["outage_weights"], out["outage_losses"] = attempt["weights"], attempt["losses"]
         if attempt["weights"] != "identical" or attempt["losses"] != "identical":
             problems.append(f"outage launch: weights {attempt['weights']}, losses {attempt['losses']}")
@@ -123,7 +107,7 @@ def _budget_launch(soak, data, ref, server, proxy) -> dict:
     if second != 0:
         problems.append(f"the rerun ended with {second}, not 0 (see {log2})")
     else:
-        attempt = soak.compare("s3_budget", run_dir, [_attempt(_train_records(run_dir), second)], ref)
+        attempt = soak.compare("s3_budget", run_dir, [_attempt(records(run_dir, "train"), second)], ref)
         out["budget_weights"], out["budget_losses"] = attempt["weights"], attempt["losses"]
         if attempt["weights"] != "identical" or attempt["losses"] != "identical":
             problems.append(f"budget rerun: weights {attempt['weights']}, losses {attempt['losses']}")

@@ -41,7 +41,10 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-import pytest
+try:
+    import pytest
+except ImportError:  # the benches (bench/soak.py's S3 round, bench/outage_recovery.py) use the proxy without pytest
+    pytest = None
 
 IDLE_S = 10.0
 """An idle client connection is closed after this long (its thread ends)."""
@@ -345,7 +348,6 @@ class _Handler(BaseHTTPRequestHandler):
 _proxies: dict[int, S3FaultProxy] = {}
 
 
-@pytest.fixture
 def s3_proxy(s3_server, request):
     """The session's ``S3FaultProxy`` in front of ``s3_server``, reset (no faults, counters zero),
     with ``AWS_ENDPOINT_URL`` naming it for this test (put back afterwards). Stores opened and
@@ -365,6 +367,10 @@ def s3_proxy(s3_server, request):
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved
+
+
+if pytest is not None:
+    s3_proxy = pytest.fixture(s3_proxy)
 
 
 class OutageDirector(threading.Thread):

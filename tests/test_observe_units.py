@@ -213,3 +213,32 @@ def test_plot_draws_no_empty_panel(tmp_path):
     for runs, height in (([no_eval], 833), ([plain, tasks], 1250)):  # 6 panels: two rows; 9: three
         png = render_png(runs)
         assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1600, height)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens_per_step", [900, 3_100_000])
+def test_plot_tick_labels_of_a_long_run_do_not_overlap(tmp_path, tokens_per_step):
+    """Runs of 900 thousand and 3 billion tokens: the x tick labels of every panel stand apart and
+    are short (issue 38 point 10: six-digit labels on every tick ran into each other)."""
+    pytest.importorskip("matplotlib")
+    from podtrain.observe.plot import _pyplot, draw_figure
+
+    run_dir = tmp_path / "long"
+    run_dir.mkdir()
+    lines = [{"kind": "train", "step": s, "tokens_seen": tokens_per_step * s, "loss": 5.0 - s / 1000, "lr": 1e-3,
+              "grad_norm": 1.0, "tokens_per_s": 1e6, "mfu": 0.4, "data_wait_s": 0.001}
+             for s in range(1, 1001, 10)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    fig = draw_figure([read_records(run_dir)])
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            labels = [t for t in ax.get_xticklabels() if t.get_text() and t.get_visible()]
+            boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+            assert len(boxes) >= 3, ax.get_title()
+            gaps = [b.x0 - a.x1 for a, b in zip(boxes, boxes[1:])]
+            assert min(gaps) > 0, (ax.get_title(), [t.get_text() for t in labels])
+            assert all(len(t.get_text()) <= 5 for t in labels), [t.get_text() for t in labels]
+    finally:
+        _pyplot().close(fig)

@@ -1,3 +1,3 @@
-"""podtrain: pre-train language models with PyTorch DistributedDataParallel."""
+"""podtrain: pre-train language models with PyTorch DistributedDataParallel, FSDP2 or HSDP."""
 
 __version__ = "0.1.0"

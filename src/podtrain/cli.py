@@ -38,7 +38,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = [f"podtrain {__version__}: pre-train language models with PyTorch DDP", "", "commands:"]
+    lines = [f"podtrain {__version__}: pre-train language models with PyTorch DDP, FSDP2 or HSDP", "", "commands:"]
     for path, (_, help_) in COMMANDS.items():
         lines.append(f"  podtrain {' '.join(path):<18} {help_}")
     lines.append("")

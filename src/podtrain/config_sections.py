@@ -144,9 +144,10 @@ class CkptSection:
     mtbf_h: float = 24.0
     """ckpt.every=auto: expected hours between failures of the whole job."""
     allow_changes: list[str] = field(default_factory=list)
-    """Keys that alter the math (model.*, data.path, data.mix, data.seq_len, data.tokenizer,
-    train.global_batch_size, run.seed) allowed to differ from the checkpoint's on resume (data.mix:
-    the run continues from its token ledger with the new weights)."""
+    """Keys that alter the math (model.preset, model.vocab_size, data.path, data.mix, data.seq_len,
+    train.global_batch_size, run.seed, and data.tokenizer: not a config key but the tokenizer the
+    data was prepared with, read from the data's manifest) allowed to differ from the checkpoint's
+    on resume (data.mix: the run continues from its token ledger with the new weights)."""
     keep_last: int = 3
     """Keep the newest K checkpoints; 0 keeps all."""
     keep_every: int = 0

@@ -131,6 +131,16 @@ def render_png(runs: list[RunRecords]) -> bytes:
     """The panels with data (``panel_titles``) as PNG bytes, three a row (one colour per run,
     restarts dotted)."""
     plt = _pyplot()
+    fig = draw_figure(runs)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def draw_figure(runs: list[RunRecords]):
+    """The matplotlib figure ``render_png`` saves (the caller closes it)."""
+    plt = _pyplot()
     titles = panel_titles(runs)
     rows = -(-len(titles) // COLUMNS)
     fig, grid = plt.subplots(rows, COLUMNS, figsize=(16, 12.5 * rows / 3), constrained_layout=True,
@@ -155,9 +165,15 @@ def render_png(runs: list[RunRecords]) -> bytes:
             ax.set_ylabel(unit)
         _eval_panels(axes.get(BPB), axes.get(TASKS), records, colour, name)
         _source_panels(axes["loss"], axes.get(SOURCES), records, colour, name)
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     for title, ax in axes.items():
         ax.set_title(title)
         ax.set_xlabel("tokens seen")
+        # Token counts run to 10^9-10^12: full digits on six ticks overlapped in a panel a third of
+        # the page wide. At most five ticks, written 250M, 1.5G.
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         if title in UNITS:
             ax.set_ylabel(UNITS[title])
         ax.grid(True, alpha=0.3)
@@ -168,10 +184,7 @@ def render_png(runs: list[RunRecords]) -> bytes:
         restart_ax.plot([], [], color="grey", ls=":", label="restart (resumed)")
         restart_ax.legend(fontsize=8)
     fig.suptitle("podtrain: " + ", ".join(_label(r, runs) for r in runs))
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
+    return fig
 
 
 def task_metrics(records: list[dict[str, Any]]) -> list[str]:

@@ -94,10 +94,15 @@ def _accumulation_line(plan: Any) -> str:
 
 
 def _price_note(machine: Any) -> str:
-    from podtrain.launch.instances import PRICES_DATE, PRICES_SOURCE
+    """Where the cost's price comes from: the user's ``--price-per-hour``, or the dated on-demand
+    table (then how to give one's own: a negotiated, spot or reserved price, or a newer one)."""
+    from podtrain.launch.instances import ON_DEMAND_USD_PER_HOUR, PRICES_DATE, PRICES_SOURCE
 
     if machine.price_per_node_hour is None:
         return " (no price: --price-per-hour USD)"
     if machine.name == "local":
         return ""
-    return f" (${machine.price_per_node_hour:g}/node-h, {PRICES_SOURCE}, {PRICES_DATE})"
+    if ON_DEMAND_USD_PER_HOUR.get(machine.name.removeprefix("ml.")) != machine.price_per_node_hour:
+        return f" (${machine.price_per_node_hour:g}/node-h, from --price-per-hour)"
+    return (f" (${machine.price_per_node_hour:g}/node-h on demand as of {PRICES_DATE}, {PRICES_SOURCE}; "
+            "--price-per-hour USD for yours)")
