@@ -68,8 +68,8 @@ def writable_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or creation inside ``path`` durable."""
+def fsync_path(path: Path) -> None:
+    """Make ``path`` durable: a file's bytes, or a folder's entries (a rename or creation inside it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -100,7 +100,7 @@ def publish_temp(fh: BinaryIO, tmp: Path, path: Path) -> None:
         os.fsync(fh.fileno())
         fh.close()
         os.replace(tmp, path)
-        fsync_dir(Path(path).parent)
+        fsync_path(Path(path).parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,14 +183,43 @@ class LoadedHF:
     files: dict[str, bytes]
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+"""The shape of a Hugging Face Hub repository id ``org/name``: exactly one ``/``, letters, digits,
+``-``, ``_`` and ``.`` (the Hub's own rule, which also forbids ``..`` and ``--``)."""
+
+
+def hub_name_or_path(spec: str) -> str:
+    """Whether ``--tokenizer spec`` (not ``byte``, ``bpe:VOCAB`` or a dataset) means a Hub id
+    (``"hub"``) or a local path (``"path"``), decided without the network, so that a mistyped
+    path fails at once instead of being looked up on the Hub.
+
+    A path: anything that exists; anything starting with ``/``, ``.``, ``~`` (``./x``, ``../x``,
+    ``~/x``) or ending in ``.json``; more than one ``/`` (a Hub id has exactly one); a relative
+    ``a/b`` whose ``a`` is a folder here (``data/tokk`` with ``data/`` present); and anything not
+    shaped like a Hub id. The rest, ``org/name`` whose ``org`` is no local folder, is a Hub id. To
+    reach a Hub repository whose org is also a local folder, run from another directory.
+    """
+    path = Path(os.path.expanduser(spec))  # (an unknown ~user stays as typed)
+    if path.exists() or spec.startswith(("/", ".", "~")) or spec.endswith(".json"):
+        return "path"
+    if spec.count("/") != 1 or (os.sep != "/" and os.sep in spec):
+        return "path"
+    if Path(spec.split("/", 1)[0]).is_dir():
+        return "path"
+    if not HUB_ID.fullmatch(spec) or ".." in spec or "--" in spec:
+        return "path"
+    return "hub"
+
+
 def load_hf(spec: str, eos_token: str | None = None) -> LoadedHF:
     """Load a tokenizer from a ``tokenizer.json`` file, a folder holding one, or a hub name.
 
-    A path that exists is read locally. Otherwise a name shaped like ``org/name`` is fetched from
-    the Hugging Face Hub (needs a network); anything else is a user error naming the path.
+    A path that exists is read locally. What ``hub_name_or_path`` calls a Hub id (``org/name``)
+    is fetched from the Hugging Face Hub (needs a network); any other value is a path, and a
+    missing one is a user error naming it, with no network tried.
     """
     tk = _tokenizers()
-    path = Path(spec)
+    path = Path(os.path.expanduser(spec))
     if path.is_dir():
         folder, tok_path = path, path / TOKENIZER_FILE
         if not tok_path.is_file():
@@ -196,11 +227,11 @@ def load_hf(spec: str, eos_token: str | None = None) -> LoadedHF:
                             "(only fast tokenizers saved as tokenizer.json are supported)")
     elif path.is_file():
         folder, tok_path = path.parent, path
-    elif spec.count("/") == 1 and not spec.startswith((".", "/")):
+    elif hub_name_or_path(spec) == "hub":
         return _load_from_hub(spec, eos_token)
     else:
-        raise UserError(f"--tokenizer {spec}: no such file or directory (expected byte, bpe:VOCAB, "
-                        "a tokenizer.json, a tokenizer folder, or a hub name org/name)")
+        raise UserError(f"--tokenizer {spec}: no such file or directory ({_why_a_path(spec)}; expected "
+                        "byte, bpe:VOCAB, a tokenizer.json, a tokenizer folder, or a Hub id org/name)")
     blob = tok_path.read_bytes()
     try:
         tok = tk.Tokenizer.from_str(blob.decode("utf-8"))
@@ -211,6 +242,14 @@ def load_hf(spec: str, eos_token: str | None = None) -> LoadedHF:
         files.update({f: (folder / f).read_bytes() for f in SIDE_FILES if (folder / f).is_file()})
     eos_id = _choose_eos(tok, str(tok_path), folder, eos_token)
     return LoadedHF(HFTokenizer(tok, eos_id, kind="hf", name=str(spec)), files)
+
+
+def _why_a_path(spec: str) -> str:
+    """Why ``spec`` was read as a local path and not sent to the Hub (for the one-line error)."""
+    first = spec.split("/", 1)[0]
+    if spec.count("/") == 1 and not spec.startswith(("/", ".", "~")) and first and Path(first).is_dir():
+        return f"read as a local path, not a Hugging Face Hub id, because {first}/ is a folder here"
+    return "read as a local path, not a Hugging Face Hub id"
 
 
 def _load_from_hub(name: str, eos_token: str | None) -> LoadedHF:  # pragma: no cover - needs network

@@ -7,20 +7,25 @@ scores its share of the requests; rank 0 logs its progress every 30 s (``eval/pr
 prints lm-eval's table and writes its JSON (``--out``, else ``RUN_DIR/eval/step_NNNNNN.json``, or
 ``HF_DIR/eval_results.json`` beside an exported model: never into the current directory; a
 folder it cannot write to is one line before any scoring), plus a ``podtrain`` entry: what was
-evaluated, the data its tokenizer came from, the ranks, the requests per second.
+evaluated, the data its tokenizer came from, the ranks, the requests per second. A file already
+there from an evaluation of the same step is merged by task (``merge_results``): another task's
+results stay, the same task's are replaced; read, merged and replaced atomically under a lock.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import os
-import uuid
+import time
 from pathlib import Path
+from typing import Any, Iterator
 
 from podtrain.errors import UserError
-from podtrain.fsutil import writable_dir
+from podtrain.fsutil import atomic_write_text, writable_dir
 
 log = logging.getLogger("podtrain")
 
@@ -69,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
             from podtrain.eval.harness import table
 
             out = Path(args.out) if args.out else default_out(source, summary.get("step"))
-            write_json(out, {**results, "podtrain": summary})
+            kept = write_results(out, results, summary)
             print(table(results))
             print(f"{summary['requests']} requests in {summary['seconds']:.1f} s on {ctx.world_size} "
-                  f"rank(s): {summary['requests_per_s']:.1f} requests/s | wrote {out}")
+                  f"rank(s): {summary['requests_per_s']:.1f} requests/s | wrote {out}"
+                  + (f" (kept the earlier results of {', '.join(kept)})" if kept else ""))
     return 0
 
 
@@ -117,14 +123,97 @@ def out_folder(source: Path, out: str | None) -> Path:
     return default_out(source, 0).parent
 
 
+TASK_KEYED = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot",
+              "higher_is_better", "n-samples")
+"""The sections of lm-eval's results that are keyed by task (or group) name: what a merge keeps
+per task. The rest (``config``, ``date``, the environment) describes the newest evaluation."""
+
+PER_TASK = "podtrain_tasks"
+"""Top-level key: task name -> the ``podtrain`` summary of the evaluation that scored it."""
+
+LOCK_DEADLINE_S = 60.0
+"""How long a writer waits for another one's lock (held only to read, merge and write a JSON)."""
+
+
+def merge_results(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``new`` (lm-eval's results plus ``podtrain`` and ``PER_TASK``) merged into ``old`` (what
+    the file held, or None): each task of ``new`` replaces its own entries in every task-keyed
+    section, ``old``'s other tasks are kept. Only results of the same step are merged (an
+    exported folder has none: None is its step); otherwise ``new`` replaces ``old`` whole.
+    Returns the merged dict and the names of the tasks kept from ``old``."""
+    if not isinstance(old, dict) or not isinstance(old.get("results"), dict):
+        return new, []
+    if (old.get("podtrain") or {}).get("step") != new["podtrain"].get("step"):
+        return new, []
+    mine = set().union(*(new.get(k) or {} for k in TASK_KEYED))
+    kept = sorted(name for name in old["results"] if name not in mine)
+    merged = dict(new)
+    for key in TASK_KEYED:
+        earlier = {n: v for n, v in (old.get(key) or {}).items() if n not in mine}
+        if earlier or key in new:
+            merged[key] = {**earlier, **(new.get(key) or {})}
+    # A file written before PER_TASK existed: its tasks came from the evaluation its summary names.
+    earlier_by_task = old.get(PER_TASK) or {n: old.get("podtrain") for n in old["results"]}
+    merged[PER_TASK] = {**{n: s for n, s in earlier_by_task.items() if n not in mine}, **new[PER_TASK]}
+    return merged, kept
+
+
+def write_results(path: Path, results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    """Write lm-eval's ``results`` with ``summary`` (the ``podtrain`` entry) to ``path``, merged
+    with the results already there (``merge_results``); returns the tasks kept from before."""
+    new = {**results, "podtrain": summary,
+           PER_TASK: {name: summary for name in (results.get("results") or {})}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent):  # two evals of one step at once: neither loses the other's tasks
+        old = _read_json(path)
+        merged, kept = merge_results(old, new)
+        if isinstance(old, dict) and merged is new and old.get("results"):
+            log.warning("eval: %s held results of step %s, not %s: replaced", path,
+                        (old.get("podtrain") or {}).get("step"), summary.get("step"))
+        write_json(path, merged)
+    return kept
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON at ``path``; None if there is none, or it is not JSON (then it is replaced)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        log.warning("eval: %s is not valid JSON: replaced, not merged", path)
+        return None
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` itself (no lock file left behind), waited for at most
+    ``LOCK_DEADLINE_S``. Past the deadline (a holder stuck on its file system), or where the file
+    system has no ``flock`` (some network mounts), the write goes on unlocked: still atomic, and
+    an evaluation's results are never thrown away; only two evals writing at that very moment
+    could then lose one's tasks."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + LOCK_DEADLINE_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("eval: %s has been locked by another writer for %.0f s: writing unlocked",
+                                folder, LOCK_DEADLINE_S)
+                    break
+                time.sleep(0.05)
+            except OSError:
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def write_json(path: Path, results: dict) -> None:
     """lm-eval's results as JSON (what it cannot serialise as text), atomically."""
     from lm_eval.utils import handle_non_serializable
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(json.dumps(results, indent=1, default=handle_non_serializable))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, json.dumps(results, indent=1, default=handle_non_serializable))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from podtrain.fsutil import file_mode, fsync_dir, open_temp, publish_temp
+from podtrain.fsutil import file_mode, fsync_path, open_temp, publish_temp
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import NotFound, StorageError, from_os_error
@@ -257,7 +257,7 @@ class PosixStore(Store):
                 return _tag_if_same(path, data)
             finally:
                 tmp.unlink(missing_ok=True)
-            fsync_dir(path.parent)
+            fsync_path(path.parent)
         except OSError as exc:
             raise from_os_error(self.where(name), exc) from None
         return version_tag(bytes(byte_view(data)))
@@ -308,7 +308,7 @@ class PosixStore(Store):
                     except FileNotFoundError:
                         return None
                     os.replace(tmp, path)
-                    fsync_dir(path.parent)
+                    fsync_path(path.parent)
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as exc:
@@ -326,7 +326,7 @@ class PosixStore(Store):
                 except FileNotFoundError:
                     return True
                 path.unlink()
-                fsync_dir(path.parent)
+                fsync_path(path.parent)
         except OSError as exc:
             raise from_os_error(self.where(name), exc) from None
         return True

@@ -10,9 +10,9 @@ The package, in pipeline order:
   it writes last.
 - ``replace``: the dataset already at the output, which another recipe must not replace silently.
 - ``reuse``: ``--tokenizer DATA_DIR``, the tokenizer of a dataset already prepared.
-- ``sources``: INPUTs (files, directories, globs, ``builtin``) to an ordered list of source files,
-  and the count of the files skipped; ``compression``: ``.gz``/``.bz2``/``.xz``/``.zst`` read as
-  they stream.
+- ``sources``: INPUTs (files, directories, globs, ``builtin``) to an ordered list of source files
+  (text decided by suffix, else by the file's first bytes), and the files skipped, by reason;
+  ``compression``: ``.gz``/``.bz2``/``.xz``/``.zst`` read as they stream.
 - ``builtin``: the built-in corpus (this interpreter's standard-library sources).
 - ``readers``: sources cut into tasks of ~chunk_bytes of raw input (``TextItem``, ``JsonlItem``,
   ``RowsItem``).

@@ -22,7 +22,7 @@ import numpy as np
 from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare.parts import PART_RE, part_name
 from podtrain.data.prepare.output import lock_dir
-from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty
+from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty, skipped_note
 from podtrain.data.prepare.shards import PARTS_DIR, SHARD_RE
 from podtrain.errors import UserError
 from podtrain.storage import NotFound, Store, open_store
@@ -138,7 +138,8 @@ def merge(out: str | Path) -> dict[str, Any]:
         merged = merged_manifest(store, manifests)
         opts = PrepareOptions(inputs=tuple(s["input"] for s in merged["sources"]), out=Path(str(out)),
                               val_fraction=merged["val_fraction"])
-        check_not_empty(opts, {k: s["tokens"] for k, s in merged["splits"].items()})
+        check_not_empty(opts, {k: s["tokens"] for k, s in merged["splits"].items()},
+                        skipped_note(merged["errors"], ""))
         first = f"{PARTS_DIR}/{part_name(0, len(manifests))}"
         for name in merged["tokenizer"]["files"]:  # the files the identity lists, next to the manifest
             blob = store.read_bytes(f"{first}/{name}")

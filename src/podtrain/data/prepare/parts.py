@@ -29,7 +29,8 @@ from typing import Any
 
 from podtrain.data import tokenizer as tokmod
 from podtrain.data.manifest import MANIFEST_NAME
-from podtrain.data.prepare.shards import PARTS_DIR, STATE_DIR
+from podtrain.data.prepare.replace import differences
+from podtrain.data.prepare.shards import PARTS_DIR, STATE_DIR, read_run_state
 from podtrain.data.prepare.sources import Source
 from podtrain.distributed.env import task_slot
 from podtrain.errors import UserError
@@ -95,19 +96,64 @@ def invalidate_merge(out: Path) -> None:
     (Path(out) / MANIFEST_NAME).unlink(missing_ok=True)
 
 
-def write_trained_record(out: Path, corpus_key: str, identity: dict[str, Any]) -> None:
-    """Record which corpus and options the BPE in ``out/tokenizer/`` was trained for."""
-    atomic_write_text(Path(out) / STATE_DIR / TRAINED_RECORD,
-                      json.dumps({"corpus": corpus_key, "tokenizer": identity}))
+def write_trained_record(out: Path, corpus_key: str, identity: dict[str, Any],
+                         recipe: dict[str, Any] | None = None) -> None:
+    """Record which corpus and options the BPE in ``out/tokenizer/`` was trained for (and the
+    recipe, ``replace.make_recipe``: what a refusal to train over it names)."""
+    record: dict[str, Any] = {"corpus": corpus_key, "tokenizer": identity}
+    if recipe is not None:
+        record["recipe"] = recipe
+    atomic_write_text(Path(out) / STATE_DIR / TRAINED_RECORD, json.dumps(record))
 
 
-def trained_identity(out: Path, corpus_key: str) -> dict[str, Any] | None:
-    """The identity of the BPE trained for this corpus in ``out``, if it is there and intact."""
+def _read_trained_record(out: Path) -> dict[str, Any] | None:
     try:
         rec = json.loads((Path(out) / STATE_DIR / TRAINED_RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict) or rec.get("corpus") != corpus_key:
+    return rec if isinstance(rec, dict) else None
+
+
+def tokenizer_already_trained(out: Path, corpus_key: str, recipe: dict[str, Any], spec: str,
+                              force: bool) -> dict[str, Any] | None:
+    """Before ``--train-tokenizer-only`` writes ``out/tokenizer/``: the identity of the BPE already
+    there for this corpus (``corpus_key``), trained by ``--train-tokenizer-only`` or by a one-shot
+    prepare of the same command (the same text: it is adopted, recorded for the parts), else None.
+
+    A tokenizer there trained from other inputs or options is refused in one line unless
+    ``force``: datasets prepared with ``--tokenizer DATA_DIR`` name it by its SHA-256, so training
+    over it silently would leave them apart from every dataset prepared after.
+    """
+    out = Path(out)
+    identity = trained_identity(out, corpus_key)
+    if identity is not None:
+        return identity
+    state = read_run_state(out)  # a one-shot prepare of this very command trained the same BPE
+    ident = state.get("tokenizer") if state and state.get("key") == corpus_key else None
+    if isinstance(ident, dict) and ident.get("kind") != "byte" and tokmod.read_setup_file(out, ident):
+        write_trained_record(out, corpus_key, ident, recipe)
+        return ident
+    main = out / tokmod.TOKENIZER_DIR / tokmod.TOKENIZER_FILE
+    record = _read_trained_record(out)
+    if force or not main.is_file() or (record is not None and record.get("corpus") == corpus_key):
+        return None  # nothing there, told to replace it, or ours and damaged: train (again)
+    old = (record or {}).get("tokenizer") or {}
+    if record is not None and isinstance(record.get("recipe"), dict):
+        why = ", ".join(differences(record, recipe, spec)) or "inputs changed since"
+    elif record is not None:
+        why = "other inputs or options"
+    else:
+        why = "no record of its inputs"
+    name = f"{old['name']!r}, " if old.get("name") else ""
+    raise UserError(f"--out {out} holds a tokenizer ({name}{main}) trained from other inputs ({why}); "
+                    f"training {spec} would replace it under the datasets prepared with --tokenizer {out}: "
+                    "choose another --out, or pass --force to replace it")
+
+
+def trained_identity(out: Path, corpus_key: str) -> dict[str, Any] | None:
+    """The identity of the BPE trained for this corpus in ``out``, if it is there and intact."""
+    rec = _read_trained_record(out)
+    if rec is None or rec.get("corpus") != corpus_key:
         return None
     identity = rec.get("tokenizer")
     return identity if isinstance(identity, dict) and tokmod.read_setup_file(out, identity) else None

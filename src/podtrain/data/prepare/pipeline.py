@@ -16,8 +16,9 @@ verifies the finished shards' checksums, skips them and restarts the token strea
 unfinished shard begins; a finished run with a valid manifest is left alone.
 
 A document's name (what its split is hashed from): its path relative to the INPUT directory; a
-file named directly: its file name; a glob match: the path as matched; a JSONL line: NAME:LINE; a
-Parquet row: NAME#ROW. Moving the corpus therefore keeps every document in its split.
+file named directly or matched by a glob: its path relative to the deepest folder holding all such
+files of the command (``sources``); a JSONL line: NAME:LINE; a Parquet row: NAME#ROW. Moving the
+corpus therefore keeps every document in its split.
 
 Why nothing is lost: a finished dataset already at DATA_DIR that this run would replace by another
 (other inputs, tokenizer or options) is refused before any work unless ``force`` (``replace``).
@@ -122,7 +123,7 @@ class PrepareResult:
     input_bytes: int = 0
     seconds: float = 0.0
     up_to_date: bool = False
-    skipped_files: str = ""              # "skipped 12 files: .pdf 9, .png 3" (files not read), or ""
+    skipped_files: str = ""              # "skipped 2 files: 2 binary (NUL bytes: a.png, b)" (not read), or ""
 
 
 def _validate(opts: PrepareOptions) -> None:
@@ -155,7 +156,7 @@ def default_workers() -> int:
 
 
 def _empty_corpus_error(opts: PrepareOptions, what: str) -> UserError:
-    return UserError(f"{', '.join(opts.inputs)}: {what}")
+    return UserError(f"{replace.shown_inputs(list(opts.inputs))}: {what}")
 
 
 def _load_hf_early(opts: PrepareOptions) -> tokmod.LoadedHF | None:
@@ -279,7 +280,7 @@ class _Corpus:
     val_doc: str | None
     key: str
     recipe: dict[str, Any]     # what ``replace`` compares with a dataset already at the output
-    skipped_files: str         # the summary's "skipped N files: ..." (files not read), or ""
+    skipped_files: str         # the summary's "skipped N files: ..." (files not read, and why), or ""
 
 
 def _resolve(opts: PrepareOptions) -> _Corpus:
@@ -290,7 +291,8 @@ def _resolve(opts: PrepareOptions) -> _Corpus:
     inputs = resolve_corpus(opts.inputs, opts.builtin_bytes, opts.text_field)
     sources = inputs.sources
     if not sources:
-        raise _empty_corpus_error(opts, "no input files found")
+        skipped = inputs.skipped_line()
+        raise _empty_corpus_error(opts, "no input files found" + (f" ({skipped})" if skipped else ""))
     if sum(s.size for s in sources) == 0:
         raise _empty_corpus_error(opts, f"empty corpus ({len(sources)} files, all empty)")
     hf = _load_hf_early(opts)
@@ -375,7 +377,8 @@ def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareR
         for w in writers.values():
             w.close(n_tasks, errors)
         if part is None:  # a part may hold no document of a split: merge checks the whole
-            check_not_empty(opts, {s: w.tokens() for s, w in writers.items()})
+            check_not_empty(opts, {s: w.tokens() for s, w in writers.items()},
+                            skipped_note(errors, corpus.skipped_files))
         manifest = build_manifest(opts, sources, identity, dtype,
                                   {s: w.records for s, w in writers.items()}, errors, corpus.recipe)
         if part is not None:
@@ -402,7 +405,10 @@ def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareR
 @sharing_s3_clients
 def train_tokenizer(opts: PrepareOptions) -> str:
     """``--train-tokenizer-only``: train a ``bpe:VOCAB`` tokenizer once, before the parts of a
-    ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line."""
+    ``--num-parts`` prepare (on the text a one-shot prepare trains on); returns a summary line.
+
+    The same command again is a no-op (the tokenizer there is kept); over a tokenizer trained from
+    other inputs or options it stops in one line unless ``opts.force`` (``parts.tokenizer_already_trained``)."""
     corpus = _resolve(opts)
     if not opts.tokenizer.startswith("bpe:"):
         return f"nothing to train: --tokenizer {opts.tokenizer} is used as it is"
@@ -419,27 +425,41 @@ def _train_local(opts: PrepareOptions, corpus: _Corpus) -> str:
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_dir(out, created)
     try:
-        if parts.trained_identity(out, corpus.key) is not None:
+        if parts.tokenizer_already_trained(out, corpus.key, corpus.recipe, opts.tokenizer, opts.force):
             return f"{out / tokmod.TOKENIZER_DIR}: {opts.tokenizer} already trained for these inputs"
         setup = _setup_tokenizer(opts, corpus.sources, None, corpus.val_doc)
         tokmod.write_setup_files(out, setup)
-        parts.write_trained_record(out, corpus.key, setup.identity)
+        parts.write_trained_record(out, corpus.key, setup.identity, corpus.recipe)
     finally:
         os.close(lock)
     return (f"trained {opts.tokenizer} into {out / tokmod.TOKENIZER_DIR}: now run the parts (--num-parts N "
             f"--part I), or prepare each source of a mix with --tokenizer {opts.out}")
 
 
-def check_not_empty(opts: PrepareOptions, tokens: dict[str, int]) -> None:
-    """Refuse a result whose train split, or validation split when asked for, is empty."""
+def skipped_note(errors: dict[str, int], skipped_files: str) -> str:
+    """What was left out of the corpus, for an error about what is left (empty, or a split
+    empty): ``"; --errors skip dropped 19 undecodable documents or pieces; skipped 2 files: ..."``
+    (empty when nothing was): a split emptied by skipping is not a fraction to change."""
+    note = ""
+    if errors.get("skipped"):
+        n = errors["skipped"]
+        note += f"; --errors skip dropped {n:,} undecodable document{'s' if n != 1 else ''} or pieces"
+    if skipped_files:
+        note += f"; {skipped_files}"
+    return note
+
+
+def check_not_empty(opts: PrepareOptions, tokens: dict[str, int], note: str = "") -> None:
+    """Refuse a result whose train split, or validation split when asked for, is empty; ``note``
+    (``skipped_note``) says what was left out."""
     train, val = tokens["train"], tokens.get("val", 0)
     if train == 0 and val == 0:
         raise _empty_corpus_error(opts, "empty corpus (no text left after decoding; "
-                                  "every document was empty or skipped)")
+                                  f"every document was empty or skipped{note})")
     if train == 0:
         raise _empty_corpus_error(opts, f"every document fell into the validation split "
-                                  f"(--val-fraction {opts.val_fraction}); lower it or add documents")
+                                  f"(--val-fraction {opts.val_fraction}); lower it or add documents{note}")
     if "val" in tokens and val == 0:
         raise _empty_corpus_error(opts, f"no document fell into the validation split "
                                   f"(--val-fraction {opts.val_fraction}); raise it, add documents, "
-                                  "or pass --val-fraction 0")
+                                  f"or pass --val-fraction 0{note}")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple, TypeAlias
 
 from podtrain.data.prepare import compression
-from podtrain.data.prepare.sources import Source, load_pyarrow, open_source, open_text
+from podtrain.data.prepare.sources import Source, load_pyarrow, open_source, open_text, read_error
 from podtrain.errors import UserError
 
 
@@ -115,10 +115,7 @@ def _pieces(src: Source, chunk: int, cut: Callable[[bytes], int]) -> Iterator[tu
                 yield buf[:n], offset, False
                 carry, offset = buf[n:], offset + n
     except (OSError, *compression.errors()) as exc:
-        if isinstance(exc, OSError) and (exc.errno is not None or not src.codec):
-            raise UserError(f"{src.path}: cannot read ({exc.strerror or exc})") from None
-        # gzip and bzip2 raise OSError without an errno for bad data, the others their own errors
-        raise UserError(f"{src.path}: not a readable {src.codec} file ({exc or type(exc).__name__})") from None
+        raise read_error(src, exc) from None
 
 
 def _text_items(src: Source, chunk: int) -> Iterator[Item]:

@@ -26,6 +26,7 @@ from podtrain.data.manifest import MANIFEST_NAME
 from podtrain.data.prepare.parts import TRAINED_RECORD, part_name
 from podtrain.data.prepare.shards import PARTS_DIR, STATE_DIR
 from podtrain.data.tokenizer import TOKENIZER_DIR, TOKENIZER_FILE
+from podtrain.errors import UserError
 from podtrain.fsutil import atomic_write_bytes
 from podtrain.storage import NotFound, Store, open_store
 
@@ -80,7 +81,16 @@ def train_remote(opts: Any, train: Callable[[Any], str]) -> str:
     """``--train-tokenizer-only`` into an ``s3://`` url: train locally, upload the tokenizer."""
     url = str(opts.out).rstrip("/")
     store, stage = open_store(url), staging_dir(url)
-    line = train(dataclasses.replace(opts, out=stage))
+    for name in TRAINED_FILES:  # the tokenizer already there: kept, or refused to replace (train)
+        try:
+            atomic_write_bytes(stage / name, store.read_bytes(name))
+        except NotFound:
+            (stage / name).unlink(missing_ok=True)  # a stale local copy must not pass for it
+    try:
+        line = train(dataclasses.replace(opts, out=stage))
+    except UserError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise UserError(str(exc).replace(str(stage), url)) from None
     for name in TRAINED_FILES:
         if (stage / name).is_file():
             upload_file(store, name, stage / name)

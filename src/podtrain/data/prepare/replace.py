@@ -103,7 +103,8 @@ def _files(n: int) -> str:
     return f"{n:,} file{'' if n == 1 else 's'}"
 
 
-def _inputs(inputs: list[str]) -> str:
+def shown_inputs(inputs: list[str]) -> str:
+    """The first ``SHOWN_INPUTS`` INPUTs and how many more: an unquoted glob passes thousands."""
     shown = ", ".join(inputs[:SHOWN_INPUTS])
     return shown + (f" and {len(inputs) - SHOWN_INPUTS} more" if len(inputs) > SHOWN_INPUTS else "")
 
@@ -124,7 +125,7 @@ def refuse_replacing(out: str | Path, existing: dict[str, Any] | None, recipe: d
     old_tok = (existing.get("tokenizer") or {}).get("name")
     raise UserError(
         f"--out {out} holds another dataset ({tokens:,} tokens from "
-        f"{_inputs([str(s.get('input')) for s in sources]) or 'unknown inputs'} ({_files(old_files)}), "
-        f"tokenizer {old_tok!r}); this prepare would replace it with {_inputs(list(inputs))} "
+        f"{shown_inputs([str(s.get('input')) for s in sources]) or 'unknown inputs'} ({_files(old_files)}), "
+        f"tokenizer {old_tok!r}); this prepare would replace it with {shown_inputs(list(inputs))} "
         f"({_files(files)}), tokenizer {spec!r} ({', '.join(diff)}): choose another --out, or pass "
         "--force to replace it")
