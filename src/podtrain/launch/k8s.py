@@ -22,6 +22,10 @@ Kubeflow ``PyTorchJob`` (kubeflow.org/v1, the default) or SageMaker HyperPod's
   user mistake; 124: a hang).
 * ``--hyperpod-auto-resume``: HyperPod's job auto-resume annotations (which need ``OnFailure``)
   and a node affinity for nodes that passed its health checks.
+* The node-local checkpoint tier (``ckpt.local_dir``) on a volume the pod mounts, or refused
+  (``check_local_tier``): ``--local-tier-host-path`` mounts a directory of the node (its NVMe) there,
+  and where the volume has a size limit (the memory-backed ``/dev/shm``) the tier's retained steps
+  must fit in it at the planner's checkpoint size.
 
 Every manifest is checked at generation time against the schemas shipped in ``launch/schemas/``
 (``podtrain.launch.schemas``): the PyTorchJob CRD, HyperPod's HyperPodPyTorchJob model, and the
@@ -31,8 +35,11 @@ core Kubernetes pod template.
 from __future__ import annotations
 
 import argparse
+import math
+import posixpath
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -45,7 +52,7 @@ from podtrain.launch import schemas
 from podtrain.launch.instances import efa_share, pod_resources
 from podtrain.launch.jobspec import (JobSpec, add_job_arguments, build_spec, check_image, config_yaml, dns_label,
                                      mix_with_paths)
-from podtrain.launch.k8s_names import check_names, service_account
+from podtrain.launch.k8s_names import check_names, quantity_bytes, service_account
 from podtrain.launch.schemas import (CRD_FILE, crd_schema, job_pod_template, unknown_fields,  # noqa: F401
                                      validate_pod_template, validate_pytorchjob)
 from podtrain.launch.shell import Var, check, line
@@ -60,6 +67,7 @@ HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
 MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
 KINDS = ("pytorchjob", "hyperpodpytorchjob")
+GIB = 2**30
 AGENT = ("python3", "-m", "podtrain.launch.agent")
 """The container's entry point around the launcher (``launch/agent.py``)."""
 
@@ -84,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pvc", default=None, help="shared-storage claim (e.g. FSx) for the run")
     parser.add_argument("--mount", default="/fsx", help="where the claim is mounted (default /fsx)")
     parser.add_argument("--shm-size", default="32Gi", help="memory-backed /dev/shm size (default 32Gi)")
+    parser.add_argument("--local-tier-host-path", default=None, metavar="HOST_DIR",
+                        help="a directory of the node (its NVMe, e.g. /opt/dlami/nvme/podtrain) mounted "
+                             "at ckpt.local_dir for the node-local checkpoint tier (hostPath, "
+                             "DirectoryOrCreate; kept across pod restarts on that node)")
     parser.add_argument("--hyperpod-auto-resume", action="store_true",
                         help="a PyTorchJob with HyperPod's job auto-resume annotations and "
                         "healthy-node affinity (not a HyperPodPyTorchJob: see --kind)")
@@ -117,6 +129,7 @@ def build_manifests(args: argparse.Namespace) -> list[dict[str, Any]]:
         "data": {"config.yaml": config_yaml(spec.cfg, paths)},
     }
     template = pod_template(spec, args, name, paths["run.dir"], efa, hyperpod)
+    check_local_tier(spec, template["spec"], args.min_nodes or spec.nodes)
     if args.kind == "hyperpodpytorchjob":
         job = _hyperpod_job(spec, args, name, namespace, template)
     else:
@@ -172,15 +185,182 @@ def _shared_paths(spec: JobSpec, pvc: str | None, mount: str) -> dict[str, Any]:
     return resolved
 
 
-def _print_path_mapping(args: argparse.Namespace, config_map: dict[str, Any]) -> None:
-    """Say where run.dir and data.path are inside the pods (relative paths move onto the claim)."""
+LOCAL_TIER_VOLUME = "local-tier"
+"""The hostPath volume of ``--local-tier-host-path``."""
+_IMAGE_DIRS = ("/bin", "/dev", "/etc", "/lib", "/proc", "/sbin", "/sys", "/usr")
+"""Directories of the image a mount at or above would hide from the container (its programs, devices)."""
+
+
+def local_tier_root(local_dir: str) -> PurePosixPath:
+    """The directory ``ckpt.local_dir`` lies in whatever its environment variables expand to on a
+    rank (``/local/${NODE}`` -> ``/local``), normalised as Kubernetes requires a mountPath (no
+    ``..``): where a volume must be mounted for the local tier to be on it."""
+    parts: list[str] = []
+    for part in PurePosixPath(local_dir).parts:
+        if "$" in part:
+            break
+        parts.append(part)
+    return PurePosixPath(posixpath.normpath(str(PurePosixPath(*parts)))) if parts else PurePosixPath(".")
+
+
+def local_tier_mount(local_dir: str, host_dir: str, mounts: list[dict[str, Any]]) -> str:
+    """Where ``--local-tier-host-path host_dir`` is mounted: at ``ckpt.local_dir`` (its part before
+    any environment variable), which must be set; UserError when the two cannot make a mount
+    Kubernetes takes beside the pod's other ``mounts``."""
+    flag = f"--local-tier-host-path {host_dir}"
+    check(host_dir, "--local-tier-host-path")
+    if not local_dir:
+        raise UserError(f"{flag} needs the local tier on: set ckpt.local_dir (where the pods mount that "
+                        "directory, e.g. /local) and ckpt.local_every")
+    if not PurePosixPath(host_dir).is_absolute() or ".." in PurePosixPath(host_dir).parts:
+        raise UserError(f"{flag} must be an absolute path on the node without '..'")
+    at = local_tier_root(local_dir)
+    if not at.is_absolute() or at == PurePosixPath("/"):
+        raise UserError(f"{flag}: config key 'ckpt.local_dir' {local_dir} gives no directory to mount it "
+                        "at (an absolute path such as /local is needed)")
+    hidden = next((d for d in _IMAGE_DIRS if PurePosixPath(d).is_relative_to(at)), None)
+    if hidden is not None:
+        raise UserError(f"{flag}: config key 'ckpt.local_dir' {local_dir} would mount it over the image's "
+                        f"{hidden}, which the container needs: choose another directory, e.g. /local")
+    for mount in mounts:
+        if PurePosixPath(mount["mountPath"]) == at or (
+                mount.get("readOnly") and at.is_relative_to(mount["mountPath"])):
+            raise UserError(f"{flag}: config key 'ckpt.local_dir' {local_dir} is the pod's "
+                            f"{'read-only ' if mount.get('readOnly') else ''}{mount['mountPath']} mount "
+                            f"(volume {mount['name']}): choose another directory, e.g. /local")
+    return str(at)
+
+
+@dataclass(frozen=True)
+class _Volume:
+    """A volume as the container sees it: where, what it is, how long its files live."""
+
+    path: str
+    kind: str
+    lifetime: str
+    read_only: bool
+    size_limit: tuple[str, str] | None
+    """``(flag, quantity)`` of a known size limit (an emptyDir's sizeLimit), or None."""
+
+
+def _pod_volumes(pod: dict[str, Any]) -> list[_Volume]:
+    """The container's mounts, described from the pod spec itself (the manifest being written)."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = []
+    for mount in pod["containers"][0]["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        limit = None
+        if "emptyDir" in volume:
+            memory = volume["emptyDir"].get("medium") == "Memory"
+            kind = f"{'memory-backed ' if memory else ''}emptyDir {mount['name']}"
+            lifetime = "kept across container restarts, lost when the pod is deleted or replaced"
+            if "sizeLimit" in volume["emptyDir"]:
+                # the only emptyDir launch k8s writes is /dev/shm, sized by --shm-size
+                limit = ("--shm-size", volume["emptyDir"]["sizeLimit"])
+        elif "hostPath" in volume:
+            kind = f"hostPath {volume['hostPath']['path']} of the node"
+            lifetime = "kept across pod restarts on that node, lost with the node (ckpt.local_replicas covers that)"
+        elif "persistentVolumeClaim" in volume:
+            kind = f"claim {volume['persistentVolumeClaim']['claimName']}"
+            lifetime = "shared storage, not node-local: kept, at the claim's speed"
+        else:
+            kind, lifetime = f"ConfigMap {volume.get('configMap', {}).get('name', mount['name'])}", "read-only"
+        out.append(_Volume(mount["mountPath"], kind, lifetime, bool(mount.get("readOnly")), limit))
+    return out
+
+
+def local_tier_volume(local_dir: str, pod: dict[str, Any]) -> _Volume | None:
+    """The volume of ``pod`` that holds ``ckpt.local_dir`` (the innermost mount it lies under)."""
+    root = local_tier_root(local_dir)
+    under = [v for v in _pod_volumes(pod) if root.is_absolute() and root.is_relative_to(v.path)]
+    return max(under, key=lambda v: len(PurePosixPath(v.path).parts), default=None)
+
+
+def check_local_tier(spec: JobSpec, pod: dict[str, Any], min_nodes: int) -> None:
+    """``ckpt.local_dir`` must lie on a writable volume of ``pod``, and where that volume has a size
+    limit, hold the tier's steps at the planner's checkpoint size (``local_tier_bytes``); UserError
+    (one line, naming the key, the path and the volumes or both sizes) otherwise."""
+    ckpt = spec.cfg.ckpt
+    if not ckpt.local_dir:
+        return
+    key = f"config key 'ckpt.local_dir' {ckpt.local_dir}"
+    mounted = ", ".join(f"{v.path} ({v.kind})" for v in _pod_volumes(pod))
+    if not local_tier_root(ckpt.local_dir).is_absolute():
+        raise UserError(f"{key} is relative: in a pod it would land in the container's working directory; "
+                        "give an absolute path on a volume of the pod (mounted: "
+                        f"{mounted}), e.g. /local with --local-tier-host-path /opt/dlami/nvme/podtrain")
+    volume = local_tier_volume(ckpt.local_dir, pod)
+    if volume is None:
+        raise UserError(
+            f"{key} is on none of the pod's volumes ({mounted}): it would be the container's own "
+            "filesystem, which survives only torchrun's restarts inside the container and is discarded "
+            "when the container restarts or the pod is replaced, so no restart would find a local "
+            "checkpoint; mount the node's NVMe there with --local-tier-host-path (e.g. "
+            "/opt/dlami/nvme/podtrain: kept across pod restarts on that node) or put it under /dev/shm "
+            "(kept across container restarts, lost with the pod)")
+    if volume.read_only:
+        raise UserError(f"{key} is on the pod's read-only {volume.path} ({volume.kind}); mounted: {mounted}")
+    if volume.size_limit is None:
+        return
+    flag, quantity = volume.size_limit
+    need, how = local_tier_bytes(spec, min_nodes)
+    have = quantity_bytes(quantity)
+    if need > have:
+        raise UserError(
+            f"{key} is on the pod's {volume.path} ({volume.kind}, {flag} {quantity} = {_size(have)}), "
+            f"too small for the local tier: it holds {_size(need)} per node ({how}); give {flag} "
+            f"{_quantity_at_least(need)} or more, or put the tier on the node's NVMe (--local-tier-host-path)")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes for a person: MiB below a GiB, else GiB."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < GIB else f"{nbytes / GIB:.1f} GiB"
+
+
+def _quantity_at_least(nbytes: int) -> str:
+    """The smallest round Kubernetes quantity of at least ``nbytes`` (Mi below 10 GiB, else Gi)."""
+    return f"{math.ceil(nbytes / 2**20)}Mi" if nbytes < 10 * GIB else f"{math.ceil(nbytes / GIB)}Gi"
+
+
+def local_tier_bytes(spec: JobSpec, min_nodes: int) -> tuple[int, str]:
+    """Bytes the local tier holds on one node at most, and how they add up: ``ckpt.local_keep``
+    steps plus the one being written (retention prunes after a save commits), each the node's
+    share of the planner's checkpoint size (``plan.memory.checkpoint_bytes`` of the model training
+    builds: ``plan.shape.model_shape``), spread over the fewest nodes the job may run on, plus the
+    copies of ``ckpt.local_replicas`` peers' shares."""
+    from podtrain.plan.memory import checkpoint_bytes
+    from podtrain.plan.shape import model_shape
+
+    ckpt = spec.cfg.ckpt
+    params = model_shape(spec.cfg).params
+    total = checkpoint_bytes(params)
+    replicas = min(ckpt.local_replicas, min_nodes - 1)  # one node has no peers
+    share = total / min_nodes
+    steps = ckpt.local_keep + 1
+    need = math.ceil(steps * (1 + replicas) * share)
+    copies = (f"own pieces + {replicas} peer replica{'s' * (replicas > 1)} (ckpt.local_replicas)" if replicas
+              else "own pieces, no peer replica")
+    how = (f"ckpt.local_keep {ckpt.local_keep} + the step being written = {steps} steps x {1 + replicas} "
+           f"({copies}) x {_size(share)}: the planner's {_size(total)} checkpoint of {params:,} "
+           f"parameters over {min_nodes} node{'s' * (min_nodes != 1)}")
+    return need, how
+
+
+def _print_path_mapping(args: argparse.Namespace, docs: list[dict[str, Any]]) -> None:
+    """Say where run.dir and data.path are inside the pods (relative paths move onto the claim),
+    and on which volume the local tier is, with what survives there."""
     cfg = load_config(args.config, args.overrides)
-    pods = yaml.safe_load(config_map["data"]["config.yaml"])
+    pods = yaml.safe_load(docs[0]["data"]["config.yaml"])
     where = f"on claim {args.pvc} mounted at {args.mount}" if args.pvc else "inside the pod (no --pvc)"
     for section, key in (("run", "dir"), ("data", "path")):
         mine, theirs = getattr(getattr(cfg, section), key), pods[section][key]
         arrow = f"{mine} -> {theirs}" if mine != theirs else theirs
         print(f"podtrain: {section}.{key} in the pods: {arrow} ({where})", file=sys.stderr)
+    local_dir = pods["ckpt"]["local_dir"]
+    volume = local_tier_volume(local_dir, job_pod_template(docs[1])["spec"]) if local_dir else None
+    if volume is not None:  # build_manifests refused a local tier on no volume
+        print(f"podtrain: ckpt.local_dir in the pods: {local_dir} (on {volume.path}, {volume.kind}: "
+              f"{volume.lifetime})", file=sys.stderr)
 
 
 def _efa_count(spec: JobSpec, efa: int | None) -> int:
@@ -291,6 +471,11 @@ def pod_template(spec: JobSpec, args: argparse.Namespace, name: str, run_dir: st
         container["volumeMounts"].append({"name": "shared", "mountPath": args.mount})
         container["workingDir"] = args.mount
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": args.pvc}})
+    host_dir = getattr(args, "local_tier_host_path", None)
+    if host_dir is not None:
+        at = local_tier_mount(spec.cfg.ckpt.local_dir, host_dir, container["volumeMounts"])
+        container["volumeMounts"].append({"name": LOCAL_TIER_VOLUME, "mountPath": at})
+        volumes.append({"name": LOCAL_TIER_VOLUME, "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}})
     pod_spec: dict[str, Any] = {
         "containers": [container], "volumes": volumes,
         # Kubernetes sends SIGTERM, then SIGKILL after this: longer than torchrun's shutdown
@@ -403,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
         validate_pod_template(job_pod_template(docs[1]))
     except ImportError:
         pass
-    _print_path_mapping(args, docs[0])
+    _print_path_mapping(args, docs)
     text = to_yaml(docs)
     if args.output == "-":
         sys.stdout.write(text)

@@ -15,6 +15,19 @@ _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE])?$")
 """A memory quantity as Kubernetes parses one (``32Gi``, ``500M``), without signs or exponents."""
 
 
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          **{f"{p}i": 2**(10 * (i + 1)) for i, p in enumerate("KMGTPE")}}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """Bytes of a Kubernetes memory quantity that ``_QUANTITY`` accepts (``32Gi``, ``500M``, ``1.5Gi``)."""
+    match = _QUANTITY.match(quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number = match[1] if not match[1].startswith(".") else "0" + match[1]
+    return int(float(number) * _UNITS[match[3] or ""])
+
+
 def k8s_name(name: str, flag: str, label: bool = False) -> str:
     """``name`` checked as Kubernetes checks an object's name: a DNS subdomain (at most 253
     characters; claims, service accounts) or, with ``label``, a DNS label (at most 63, no '.';

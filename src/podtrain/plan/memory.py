@@ -29,6 +29,14 @@ from dataclasses import asdict, dataclass
 
 # Bytes per parameter of the training state, fp32 master weights and AdamW's two moments.
 WEIGHT_BYTES, GRAD_BYTES, OPTIM_BYTES = 4, 4, 8
+
+
+def checkpoint_bytes(params: int) -> int:
+    """Bytes of one checkpoint of a model of ``params`` parameters, all ranks together: fp32
+    weights and AdamW's two moments (the data position, RNG and metadata are small beside them)."""
+    return (WEIGHT_BYTES + OPTIM_BYTES) * params
+
+
 # Per-process memory that is not tensors: the CUDA context, cuBLAS/NCCL workspaces and allocator
 # fragmentation on a GPU; the interpreter, torch and transformers on a CPU rank.
 GPU_RESERVE_BYTES = 3 * 2**30

@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from podtrain.diagnostics.busbw import bus_factor
-from podtrain.plan.memory import GRAD_BYTES, WEIGHT_BYTES, ModelShape
+from podtrain.plan.memory import GRAD_BYTES, ModelShape, checkpoint_bytes
 
 OPTIMIZER_BYTES_PER_PARAM = 32
 # Seconds per network hop of a collective (EFA/InfiniBand message latency is ~10-20 us).
@@ -161,7 +161,7 @@ def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, wor
     optimizer = OPTIMIZER_BYTES_PER_PARAM * shape.params / shards / memory_bandwidth
     build = work.tokens_per_rank * TOKEN_BYTES / memory_bandwidth
     data = max(0.0, build - (compute + optimizer))
-    state = (WEIGHT_BYTES + 8) * shape.params / shards
+    state = checkpoint_bytes(shape.params) / shards
     copy = state / (GPU_HOST_COPY_BYTES_PER_S if gpu else memory_bandwidth)
     save = copy if work.async_save else copy + state / DISK_WRITE_BYTES_PER_S
     forward_token_s = shape.flops_per_token / 3 / sustained_flops
