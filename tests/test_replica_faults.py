@@ -181,6 +181,7 @@ def _failed_round(rank, world, base):
         dist.barrier()
     assert rep.wait_idle(30)
     dist.barrier()
+    assert rep.mend()  # the local save's gate (main thread, every rank): the broken group made anew
     sent = _write_step(store, 2, rank, 300_000)  # the next round runs, on a new group
     rep.committed(2)
     out["idle2"] = rep.wait_idle(30)

@@ -54,7 +54,7 @@ from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
 from podtrain.ckpt.statedict import is_dtensor, local_pieces, mesh_record, named_state
 from podtrain.ckpt.store import open_store
-from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, tensor_table
+from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress, tensor_table
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
@@ -66,6 +66,9 @@ LEASE_RETRY_S = 10.0
 """The storage retry budget of one lease operation (a renewal, the release)."""
 ABANDON_WAIT_S = 30.0
 """How long an abandoned save may take to notice (its current request's own timeout)."""
+LEASE_RESERVE_S = 1.0
+"""At a stop, the part of what is left after the saves that the writers' ends leave to the lease's
+release (at most this, at most a quarter of it)."""
 CLOSE_RESERVE_S = 3.0
 """At a stop, the part of the deadline the saves leave to the lease's release and the threads'
 ends (at most this, at most a fifth of what is left)."""
@@ -238,9 +241,14 @@ class Checkpointer(RestoreMixin):
         replicator = self._local_writer.replicator if self._local_writer is not None else None
         handed_over = False
         if replicator is not None:
+            # A replica group broken on every rank is made anew here, on the main thread, at a point
+            # every rank reaches in the same order (group creation is collective): never by the
+            # replicator's own thread, whose new_group could interleave with this thread's collectives.
+            if local:
+                replicator.mend(self.ctx.all_reduce_max)
             replicator.pause()
         try:
-            job = self._snapshot(step, model, optimizer, scaler, train_state, local)
+            job = self._snapshot(step, model, optimizer, scaler, train_state, local, deadline)
             if local:
                 self._pending_local = job
                 if replicator is not None:
@@ -275,11 +283,12 @@ class Checkpointer(RestoreMixin):
         ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable).
 
         The newest state wins: a previous save that is still retrying on any rank (its store's
-        operations failing) is cancelled (``SaveJob.cancel``: its retries end, nothing of it
+        operations failing) and has made no progress on any rank since it was last asked about
+        (``writer.progress``: a storage that is slow but working finishes its save) is cancelled (``SaveJob.cancel``: its retries end, nothing of it
         commits), then waited for ``ckpt.save_wait_s`` more (a try in flight ends first), so the
         due step is saved as soon as the storage answers again, not after the stale save's
         backoff. At a stop (``deadline``) it is cancelled whatever it is doing, and waited for
-        until the deadline at most. One MAX all_reduce of four numbers per round, at save steps only, so every rank decides the same (only rank 0,
+        until the deadline at most. One MAX all_reduce of five numbers per round, at save steps only, so every rank decides the same (only rank 0,
         which commits, may see the storage fail while the others wait for it; the deadline's
         expiry is agreed too, since the signal reached each rank at its own moment)."""
         job = self._in_flight(local)
@@ -293,6 +302,8 @@ class Checkpointer(RestoreMixin):
             return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
 
         cancelled, after_cancel = False, 0.0
+        if job.progress_seen < 0:  # first asked about now: its progress counts from here
+            job.progress_seen = progress(job)
         while True:  # every rank runs the same iterations: each ends in the same all_reduce
             # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
             # last step's save (must) waits in 1 s rounds until done or past the outage bound; a
@@ -313,22 +324,26 @@ class Checkpointer(RestoreMixin):
             since = failing()
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
             retrying_here = not here and store.retry.failing_since is not None
+            now = progress(job)
+            moved_here = not here and now > job.progress_seen
+            job.progress_seen = now
             late_here = deadline is not None and deadline.expired
-            not_done, outage, retrying, late = self.ctx.all_reduce_max(
-                [0.0 if here else 1.0, outage_here, float(retrying_here), float(late_here)])
+            not_done, outage, retrying, late, moved = self.ctx.all_reduce_max(
+                [0.0 if here else 1.0, outage_here, float(retrying_here), float(late_here), float(moved_here)])
             done = not_done == 0.0
             if not local:
                 self._failing_agreed = outage > 0
             if done or late > 0 or outage > self.cfg.max_outage_s:
                 break
-            if not cancelled and (deadline is not None or retrying > 0):
+            if not cancelled and (deadline is not None or (retrying > 0 and moved == 0)):
                 why = ("a stop signal: the current step is saved instead" if deadline is not None else
                        f"step {step} is due: the newest state is saved instead")
                 job.cancel.cancel(why)
                 cancelled = True
                 if self.ctx.is_main:
                     log.warning("the %s save of step %d is %s: cancelled (%s)", "local" if local else "durable", job.step,
-                                "still retrying (the storage is failing)" if retrying > 0 else "still in flight", why)
+                                "still retrying with no progress (the storage is failing)" if retrying > 0 and moved == 0
+                                else "still in flight", why)
                 continue
             if cancelled and (must or deadline is not None or after_cancel < self.cfg.save_wait_s):
                 continue  # the agreed rounds: every rank sums the same pauses
@@ -390,8 +405,10 @@ class Checkpointer(RestoreMixin):
                 policy.abandon()
 
     def _snapshot(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False) -> SaveJob:
-        """The job of this save: this rank's pieces in a stream; rank 0 also the small state."""
+                  scaler: torch.amp.GradScaler | None, train_state: dict, local: bool = False,
+                  deadline: Deadline | None = None) -> SaveJob:
+        """The job of this save: this rank's pieces in a stream (whose waits end by ``deadline``, a
+        stop's, at the latest); rank 0 also the small state."""
         job = SaveJob(step=step, rng=capture_rng(self.ctx.device), lineage=self.identity.record(), local=local)
         net = unwrap(model)
         named = named_state(net, optimizer)
@@ -400,7 +417,8 @@ class Checkpointer(RestoreMixin):
         job.strategy = "sharded" if any(is_dtensor(t) for t in named.tensors.values()) else "replicated"
         if pieces:
             items = [(f"{n}[{start}:{start + t.numel()}]", t) for n, start, t in pieces]
-            job.stream = SaveStream(self._local_pool if local else self._pool, {layout.rank_file(self.ctx.rank): items})
+            job.stream = SaveStream(self._local_pool if local else self._pool, {layout.rank_file(self.ctx.rank): items},
+                                    deadline=deadline)
         if self.ctx.is_main:
             sink = job.small.__setitem__
             job.tensors = tensor_table(named.tensors)
@@ -496,8 +514,10 @@ class Checkpointer(RestoreMixin):
         return time.perf_counter() - t0
 
     def close(self, deadline: Deadline | None = None) -> bool:
-        """Wait for the saves in flight, stop the threads, release the groups and the lease (every
-        exit path); False when a thread was left waiting on the storage (only with a deadline).
+        """Wait for the saves in flight, stop the threads, release the groups, then the lease (every
+        exit path); False when a thread was left waiting on the storage (only with a deadline): the
+        lease is then not released but left to expire (``ckpt.lease_timeout_s``), since that
+        thread could still write.
 
         ``deadline`` (a stop signal's: ``ckpt.grace_s`` after it, less the process's exit): the
         whole of this ends by then. The saves get it less ``CLOSE_RESERVE_S`` (the lease and the
@@ -524,13 +544,18 @@ class Checkpointer(RestoreMixin):
             def left() -> float | None:
                 return None if deadline is None else deadline.remaining()
 
-            released = True
-            if self._lease is not None:
-                released = self._lease.release(deadline_s=left())
+            def writers_left() -> float | None:  # the writers first; the lease's release gets the rest
+                return None if deadline is None else max(0.0, left() - min(LEASE_RESERVE_S, left() / 4))
+
             self._fence.release()
-            stopped = self._writer.close(timeout=left()) and released
+            stopped = self._writer.close(timeout=writers_left())
             if self._local_writer is not None:
-                stopped = self._local_writer.close(timeout=left()) and stopped
+                stopped = self._local_writer.close(timeout=writers_left()) and stopped
+            if self._lease is not None:
+                # Released only once no writer can write any more: a thread left writing at the
+                # deadline (a storage that never answers) could land a file after the release, in
+                # a run another job may hold by then. Its lease is left to expire instead.
+                stopped = self._lease.release(deadline_s=left(), drop=stopped) and stopped
             self._pool.close()
             if self._local_pool is not None:
                 self._local_pool.close()

@@ -66,8 +66,10 @@ class LeaseRecord:
         return (self.job, self.host, self.pid, self.started) == (other.job, other.host, other.pid, other.started)
 
     def describe(self, now: float) -> str:
-        """``job J on host H (pid P), last heartbeat Ns ago``."""
-        return (f"job {self.job or '?'} on host {self.host} (pid {self.pid}, lineage {self.lineage}), last "
+        """``job J on host H (pid P, lineage L), last heartbeat Ns ago``; the lineage is left out
+        while it is not known yet (a lease taken before the run named itself)."""
+        lineage = f", lineage {self.lineage}" if self.lineage else ""
+        return (f"job {self.job or '?'} on host {self.host} (pid {self.pid}{lineage}), last "
                 f"heartbeat {max(0.0, now - self.heartbeat):.0f} s ago")
 
 
@@ -259,11 +261,12 @@ class Lease:
         except (StorageError, OSError) as exc:  # an outage: the next renewal tries again
             log.warning("renewing the lease %s/%s failed: %s", store.url, LEASE_FILE, exc)
 
-    def release(self, deadline_s: float | None = None) -> bool:
+    def release(self, deadline_s: float | None = None, drop: bool = True) -> bool:
         """Stop renewing and remove the leases this job still holds. ``deadline_s`` (a stop
         signal's grace period): the most seconds this may take; a renewal or removal still waiting
         on the storage then is left to a daemon thread, and the lease expires by itself. False
-        when a thread was left so, True when everything ended."""
+        when a thread was left so, True when everything ended. ``drop=False``: stop renewing
+        only, leaving the lease to expire (a writer of this job may still be writing)."""
         end = None if deadline_s is None else time.monotonic() + deadline_s
 
         def left() -> float | None:
@@ -277,6 +280,10 @@ class Lease:
                             "left to expire by itself", deadline_s)
                 return False
             self._thread = None
+        if not drop:
+            log.warning("the lease is left to expire by itself (within %.0f s), not released: a checkpoint "
+                        "writer of this job may still be writing", self.timeout_s)
+            return True
         dropper = threading.Thread(target=lambda: [self._drop(store) for store in self.stores],
                                    name="podtrain-lease-release", daemon=True)
         dropper.start()

@@ -87,14 +87,17 @@ def read_small(store, name: str, manifest: dict, rel: str) -> bytes:
 
 def piece_index(manifest: dict, store=None, name: str | None = None) -> dict[str, list[Piece]]:
     """Every stored piece, by tensor name: from the manifest (``podtrain-ckpt/2``), else from
-    every rank's sidecar in ``store`` (a whole-checkpoint operation: ``verify``, tools)."""
+    every rank's sidecar in ``store`` (a whole-checkpoint operation: ``verify``, tools). A sidecar
+    of another save than the manifest's is a ``CorruptCheckpoint``, as a damaged one is."""
     out: dict[str, list[Piece]] = {}
     if sidecar.is_sidecar_format(manifest):
         if store is None:
             raise ValueError("a podtrain-ckpt/3 manifest keeps its pieces in the ranks' sidecars: pass the store")
         for rank in range(int(manifest["world_size"])):
             rel = sidecar.sidecar(rank)
-            body = sidecar.decode(store.read_bytes(f"{name}/{rel}"), f"{store.url}/{name}/{rel}")
+            where = f"{store.url}/{name}/{rel}"
+            body = sidecar.decode(store.read_bytes(f"{name}/{rel}"), where)
+            sidecar.check_save(body, manifest, where)  # another save's sidecar of this step: never mixed in
             for piece in sidecar.pieces_of(body):
                 out.setdefault(piece.tensor, []).append(piece)
         return out

@@ -155,14 +155,18 @@ def _exchange_header(header: bytes | None, dst: int | None, src: int | None, gro
 
 
 def exchange(store, out_prefix: str | None, rels: list[str], dst: int | None,
-             in_prefix: str | None, src: int | None, group, pace=None) -> int:
+             in_prefix: str | None, src: int | None, group, pace=None, failure: Exception | None = None) -> int:
     """Send files ``rels`` under ``out_prefix`` to rank ``dst`` while receiving another rank's
     files from ``src`` into ``in_prefix`` (each side optional; both ranks of a pair call it).
     Each received file is committed atomically in the sent order (the marker last). Returns the
     bytes received; raises after the protocol ran to its end when a file could not be read or
-    written (``CopyFailed``: the peer still got every chunk it expects, so no rank is left waiting)."""
-    header, failure = None, None
-    if dst is not None:
+    written (``CopyFailed``: the peer still got every chunk it expects, so no rank is left waiting).
+    ``failure``: the files to send could not even be listed: the peer gets a header of no files
+    and this side still receives, then raises ``CopyFailed``."""
+    header = None
+    if dst is not None and failure is not None:
+        header = b"[]"
+    elif dst is not None:
         try:
             header = json.dumps([[rel, store.size(f"{out_prefix}/{rel}")] for rel in rels]).encode()
         except Exception as exc:  # nothing to send (retention took the step): the peer still gets
@@ -226,7 +230,11 @@ def replicate(store, name: str, rank: int, ring: Ring, group, pace=None) -> int:
             store.delete_prefix(f"{where}/")
         except Exception as exc:  # still run the protocol (the peer waits for it); a file left over
             log.warning("could not clear %s/%s before receiving its replica: %s", store.url, where, exc)
-        received += exchange(store, name, files_of(store, name, rank), dst, where, src, group, pace)
+        try:
+            rels, failure = files_of(store, name, rank), None
+        except Exception as exc:  # still run the protocol (the peer waits for it): a failed copy, not a broken group
+            rels, failure = [], exc
+        received += exchange(store, name, rels, dst, where, src, group, pace, failure)
     return received
 
 

@@ -21,10 +21,14 @@ and disk alone (measured on 2 shared cores: the host copy took 1.6x as long with
 Housekeeping never stops training, and a failed round never stops the replicator: a copy that
 fails (a full disk, files retention already took) is agreed on in the round and its partial
 replicas removed; a round whose collective fails (a timeout, a peer that closed its connections)
-leaves the group unusable, so this rank logs it, gives the step up, destroys the group (its peers'
-operations on it then fail too, at once or at the group's timeout) and makes a new one
-(``side_group``: every rank does so once per broken group, in the same order, so the new groups
-match), and the next round runs on it. Retention of the local tier keeps only the steps the round
+leaves the group unusable, so this rank logs it, gives the step up and destroys the group (its
+peers' operations on it then fail too, at once or at the group's timeout). The new group is not
+made by this thread: creating a group is collective over the default group's store, and one made
+from a background thread could interleave with the main thread's collectives and group creations.
+The step loop makes it (``mend``), at the next local save's gate, a point every rank reaches in
+the same order, once every rank's replicator has given up its broken group (agreed there by one
+MAX all_reduce); the steps committed meanwhile are given up (not replicated), and the next round
+runs on the new group. Retention of the local tier keeps only the steps the round
 in flight may still copy (``protected``), never more, so it never stops even when the copies do.
 Every wait has a deadline: the copies' pause (half the group's timeout), ``wait_idle`` and
 ``close`` (the caller's, else the group's timeout).
@@ -48,6 +52,13 @@ log = logging.getLogger("podtrain.checkpoint")
 
 CLOSING = -1
 """A round's vote from a rank that is closing with nothing newer to copy."""
+
+
+def _all_reduce_max(values: list[float]) -> list[float]:
+    """The elementwise maximum of ``values`` over the ranks, on the default group (a gloo one)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def _lower_priority() -> None:
@@ -79,6 +90,7 @@ class Replicator:
         self._voted: int | None = None  # this rank's vote in the round being agreed
         self._copying: int | None = None  # the step the round in flight copies
         self._closing = False
+        self._dead = False  # no new group could be made: the copies have stopped for the run
         self._thread: threading.Thread | None = None
         self._holds = 0  # saves that have paused the copies (``pause``) and not yet resumed them
         self._go = threading.Event()  # set while no save holds the copies back
@@ -90,7 +102,7 @@ class Replicator:
         self.failed_rounds = 0
         """Rounds that failed (their step given up; the next round ran)."""
         self.groups_made = 1
-        """Groups this replicator has made: one, plus one per broken group it replaced."""
+        """Groups this replicator has made: one, plus one per broken group replaced (``mend``)."""
         self.last: dict[str, float] = {}
         """The last finished replication: step, bytes received by this rank, seconds."""
 
@@ -125,7 +137,7 @@ class Replicator:
         """The local writer committed ``step`` on every rank: copy it when the replicator is free."""
         with self._cond:
             self._newest = step
-            self._cond.notify()
+            self._cond.notify_all()  # (wait_idle's callers wait on the same condition)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="podtrain-replicas", daemon=True)
             self._thread.start()
@@ -152,7 +164,7 @@ class Replicator:
             self._closing = True
             self._holds = 0  # no save comes after close: a hold never resumed must not keep the copies waiting
             self._go.set()
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(self.timeout_s if timeout is None else max(0.0, timeout))
             if self._thread.is_alive():
@@ -176,12 +188,44 @@ class Replicator:
         finally:
             self.held.clear()
 
+    def mend(self, agree: Callable[[list[float]], list[float]] | None = None) -> bool:
+        """The step loop (main thread), every rank, at a point all reach in the same order (the
+        local save's gate): when every rank's copies have given up a broken group (agreed with one
+        MAX ``agree``: ``DistContext.all_reduce_max``; None: a CPU all_reduce on the default
+        group), make the new one here, so that group creation never runs on a background thread.
+        True when a group was made now."""
+        with self._cond:
+            waiting = self.group is None and not self._dead and not self._closing
+        unmended = (agree or _all_reduce_max)([0.0 if waiting else 1.0])[0]
+        if unmended > 0:  # some rank's copies still use (or have not yet left) the broken group
+            return False
+        try:
+            group = new_side_group(self.timeout_s)
+        except Exception as exc:  # no group, no copies (never the default group: the step loop's)
+            log.warning("peer replicas on rank %d stop: no new group could be made (%s); local "
+                        "checkpoints are kept by their own nodes only", self.rank, exc)
+            with self._cond:
+                self._dead = True
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            self.group = group
+            self.groups_made += 1
+            self._cond.notify_all()
+        return True
+
     def _loop(self) -> None:
         _lower_priority()
         while True:
-            if self.group is None:  # it could not be made anew (``_remake``): nothing more to copy
-                break
             with self._cond:
+                while self.group is None and not self._closing and not self._dead:
+                    # no group until the step loop makes one (``mend``): what commits meanwhile is
+                    # given up, so that neither ``wait_idle`` nor retention waits for it
+                    self._done = self._newest
+                    self._cond.notify_all()
+                    self._cond.wait()
+                if self.group is None:  # closing, or no group could be made anew: nothing more to copy
+                    break
                 while not self._closing and self._newest == self._done:
                     self._cond.wait()
                 vote = self._newest if self._newest != self._done else CLOSING
@@ -189,10 +233,10 @@ class Replicator:
             agreed, broken = torch.tensor([vote], dtype=torch.int64), None
             try:
                 dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-            except Exception as exc:  # the group is broken: a new one, then this round again
+            except Exception as exc:  # the group is broken: a new one (``mend``), then the next round
                 broken = f"agreeing on the step to copy: {type(exc).__name__}: {exc}"
             if broken is not None:  # (outside the handler: nothing of the failed call is still referenced)
-                self._remake(broken)
+                self._break(broken)
                 with self._cond:
                     self._voted = None
                     if self._closing:  # no new round at close: what was copied stays
@@ -256,26 +300,22 @@ class Replicator:
     def _give_up(self, step: int, why: str) -> None:
         """A collective of the round for ``step`` failed: the step is given up (replicas of it that
         arrived whole here stay: each file was committed, the marker last, and restore checks them
-        again), and the group is replaced."""
+        again), and the group is given up (``_break``)."""
         self.failed_rounds += 1
         try:
             self.on_failure(layout.step_name(step))
         except Exception as exc:  # housekeeping: the next round must run regardless
             log.warning("removing the partial replicas of local step %d on rank %d failed: %s", step, self.rank, exc)
-        self._remake(f"copying local step {step}: {why}")
+        self._break(f"copying local step {step}: {why}")
 
-    def _remake(self, why: str) -> None:
+    def _break(self, why: str) -> None:
         """This rank's group is unusable after a failed collective (its peers' messages may be
         half delivered): destroy it, so that the peers' operations on it fail as well and they
-        replace theirs too (each rank once per broken group, so the new groups match), and make a
-        new one. Said on every rank (each saw its own failure)."""
-        log.warning("peer replicas on rank %d (%s): %s; their group is made anew and the next round runs",
-                    self.rank, self.host, why)
+        give up theirs too (each rank once per broken group, so the new groups match), and wait
+        for the step loop to make a new one (``mend``). Said on every rank (each saw its own failure)."""
+        log.warning("peer replicas on rank %d (%s): %s; their group is made anew at the next local save "
+                    "and the next round runs on it", self.rank, self.host, why)
         release_side_group(self.group, "replica")
-        self.group = None
-        try:
-            self.group = new_side_group(self.timeout_s)
-            self.groups_made += 1
-        except Exception as exc:  # no group, no copies (never the default group: the step loop's)
-            log.warning("peer replicas on rank %d stop: no new group could be made (%s); local "
-                        "checkpoints are kept by their own nodes only", self.rank, exc)
+        with self._cond:
+            self.group = None
+            self._cond.notify_all()

@@ -24,7 +24,8 @@ from the same budget, never from a second copy; the rule (``SaveStream.replay``)
   it waits). So after staging the file the step loop stays, up to ``hold_s`` (``REPLAY_HOLD_S``),
   until the writer has committed it, and stages it again from the live tensors when a write fails.
   This costs the stall the write of the last budget's worth on the happy path; a failure after
-  ``hold_s`` cannot be replayed (``NotReplayable``) and abandons the save as before;
+  ``hold_s`` (counted once, from the first pass; never past a stop's deadline) cannot be replayed
+  (``NotReplayable``) and abandons the save as before;
 - ``ONCE`` (``REPLAY`` off, for benches): each file is written once; a failed write abandons the save.
 
 On a GPU the copies are asynchronous DMA into pinned slabs, issued on a side stream
@@ -49,6 +50,7 @@ import torch
 
 from podtrain.ckpt.host_buffers import StagingPool, byte_array, flat_bytes
 from podtrain.ckpt.tensorio import spec_of
+from podtrain.storage.retry import Deadline
 
 _END = object()  # queued after a file's last slab
 # How a stream lets the writer read a file again after a failed write (``SaveStream.replay``).
@@ -61,11 +63,21 @@ REPLAY = True
 read when a stream is made; ``bench/s3_save_faults.py`` turns it off to measure saves without it)."""
 REPLAY_HOLD_S = 10.0
 """How long the step loop, having staged a file larger than the pool, stays ready to stage it again
-for a failed write (the default of ``SaveStream(hold_s=)``; as ``ckpt.save_wait_s``, 10 s)."""
+for a failed write (the default of ``SaveStream(hold_s=)``; as ``ckpt.save_wait_s``, 10 s): one
+bound from the end of the file's first staging pass, however many passes follow."""
+STALL_S = 300.0
+"""How long the step loop waits for the writer to free a slab before giving the save up
+(``StagingTimedOut``: the storage accepts nothing, a request that never answers): the step loop
+goes on, and the save is abandoned like one whose storage retries were spent."""
 
 
 class StagingAborted(RuntimeError):
     """The other side of a ``SaveStream`` failed or gave up."""
+
+
+class StagingTimedOut(StagingAborted):
+    """The step loop stopped staging at its deadline (``STALL_S`` without a free slab, or a stop's
+    grace period): the storage is not taking the bytes. A transient fault for the writer."""
 
 
 class NotReplayable(RuntimeError):
@@ -142,15 +154,19 @@ class SaveStream:
     ``replay`` says how the writer may read a file again after a failed write (``chunks`` called
     again for it): ``KEEP`` (everything fits the pool: the slabs read are kept until
     ``done_with``), ``RESTAGE`` (it does not: the step loop stages the file again from the live
-    tensors, for up to ``hold_s`` after each staging pass) or ``ONCE`` (replay turned off).
+    tensors, for up to ``hold_s`` after its first staging pass) or ``ONCE`` (replay turned off).
+
+    Every wait of the step loop here has a deadline: a free slab, ``STALL_S`` each; the hold,
+    ``hold_s`` in all; and both at most ``deadline`` (a stop's: ``ckpt.grace_s``), after which
+    the stream is given up (``StagingTimedOut`` for the writer) and the step loop goes on.
     """
 
     def __init__(self, pool: StagingPool, files: dict[str, list[tuple[str, torch.Tensor]]],
-                 replay: bool | None = None, hold_s: float | None = None) -> None:
+                 replay: bool | None = None, hold_s: float | None = None, deadline: Deadline | None = None) -> None:
         """``files``: for each output file (a key the writer asks for), its ``(name, live tensor)``s;
         ``replay``: let a failed write read a file again (None: ``REPLAY``); ``hold_s``: how long
         the step loop stays ready to stage a file again when it does not fit the pool (None:
-        ``REPLAY_HOLD_S``)."""
+        ``REPLAY_HOLD_S``); ``deadline``: a stop's, which bounds every wait of the step loop."""
         self.pool = pool
         self.specs = {f: [spec_of(n, t) for n, t in items]
                       for f, items in files.items()}
@@ -161,6 +177,13 @@ class SaveStream:
         self._reads = dict.fromkeys(files, 0)  # how many times the writer began reading each file
         self._finished: set[str] = set()  # files the writer is done with (written, or given up)
         self._let_go: set[str] = set()  # RESTAGE: files the step loop no longer holds
+        self._hold_until: dict[str, float] = {}  # RESTAGE: when the hold of each file ends (all passes)
+        self.deadline = deadline
+        self._timed_out = False  # the step loop gave the stream up at a deadline (StagingTimedOut)
+        self.taken_bytes = 0
+        """Bytes the writer took beyond any earlier read's furthest point: the storage's progress
+        on this stream (a read that starts over after a failure adds only once past it)."""
+        self._furthest: dict[str, int] = dict.fromkeys(files, 0)
         self._cond = threading.Condition()
         self._failure: str | None = None
         self._held: tuple[torch.Tensor, int] | None = None  # the slab the writer reads now, and which read
@@ -227,7 +250,7 @@ class SaveStream:
             pos, n = 0, src.numel()
             while pos < n:
                 if slab is None:
-                    slab = self.pool.acquire(lambda: self._state(file, number) is not None)
+                    slab = self._acquire(file, number)
                     if slab is None:
                         return self._state(file, number)
                     fill = 0
@@ -246,6 +269,24 @@ class SaveStream:
         if slab is not None and not self._flush(file, number, slab, fill, cpu_pieces, gpu_copies and cuda):
             return self._state(file, number)
         return _STAGED if self._put(file, number, _END) else self._state(file, number)
+
+    def _acquire(self, file: str, number: int) -> torch.Tensor | None:
+        """A free slab for pass ``number`` of ``file``, waiting ``STALL_S`` at most (and never past
+        ``deadline``); None when the pass ended meanwhile, or when that time passed: then the
+        stream is given up (the writer sees ``StagingTimedOut``) and ``_state`` says ``_FAILED``."""
+        limit = STALL_S if self.deadline is None else min(STALL_S, self.deadline.remaining())
+        until = time.monotonic() + limit
+        # (the pool re-checks this on every wake-up and at least once a second)
+        slab = self.pool.acquire(lambda: self._state(file, number) is not None or time.monotonic() >= until)
+        if slab is None and self._state(file, number) is None:
+            self._give_up(f"the writer took no staged bytes for {limit:.1f} s (the storage is not answering"
+                          f"{'' if self.deadline is None or limit == STALL_S else ', and the stop deadline came'})")
+        return slab
+
+    def _give_up(self, reason: str) -> None:
+        """The step loop stops staging at a deadline: the writer sees ``StagingTimedOut``."""
+        self._timed_out = True
+        self.fail(f"staging stopped: {reason}")
 
     def _flush(self, file: str, number: int, slab: torch.Tensor, fill: int, cpu_pieces: list, gpu: bool) -> bool:
         self.pool.copy_cpu(cpu_pieces)
@@ -269,10 +310,14 @@ class SaveStream:
 
     def _hold(self, file: str, number: int) -> str:
         """After a whole pass of a file larger than the pool: wait until the writer is done with it
-        (``_DONE``), asks for it again (``_AGAIN``), fails (``_FAILED``), or ``hold_s`` passes (then
+        (``_DONE``), asks for it again (``_AGAIN``), fails (``_FAILED``), or the hold ends (then
         the file can no longer be sent again: ``_STAGED``). The live tensors do not change meanwhile:
-        the step loop is here."""
-        deadline = time.monotonic() + self.hold_s
+        the step loop is here. The hold ends ``hold_s`` after the file's first pass was staged,
+        whatever passes followed (a storage failing every try must not hold the loop per try), and
+        at the stop's ``deadline`` at the latest."""
+        deadline = self._hold_until.setdefault(file, time.monotonic() + self.hold_s)
+        if self.deadline is not None:
+            deadline = min(deadline, self.deadline.at)
         with self._cond:
             while (state := self._state(file, number)) is None:
                 left = deadline - time.monotonic()
@@ -298,7 +343,7 @@ class SaveStream:
     def _rewind(self, file: str) -> None:
         """(Under the lock.) Make the next read of ``file`` start over, or raise why it cannot."""
         if self._failure is not None:
-            raise StagingAborted(self._failure)
+            raise (StagingTimedOut if self._timed_out else StagingAborted)(self._failure)
         if self.replay == KEEP:
             return  # the kept slabs are read again, then the rest as it arrives
         if self.replay == ONCE or file in self._let_go or file in self._finished:
@@ -315,13 +360,13 @@ class SaveStream:
 
     def _read(self, file: str, read: int) -> Iterator[memoryview]:
         kept = self._kept[file]
-        i = 0
+        i, position = 0, 0
         while True:
             with self._cond:
                 while i >= len(kept) and not self._queues[file] and self._failure is None:
                     self._cond.wait(1.0)
                 if self._failure is not None:
-                    raise StagingAborted(self._failure)
+                    raise (StagingTimedOut if self._timed_out else StagingAborted)(self._failure)
                 if i < len(kept):  # KEEP, read again
                     item = kept[i]
                 else:
@@ -334,6 +379,10 @@ class SaveStream:
             if item is _END:
                 return
             slab, fill, event = item
+            position += fill
+            if position > self._furthest[file]:  # bytes no earlier read reached: progress
+                self.taken_bytes += position - self._furthest[file]
+                self._furthest[file] = position
             try:
                 if event is not None:
                     event.synchronize()  # the DMA into this slab is complete

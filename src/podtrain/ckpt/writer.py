@@ -128,9 +128,21 @@ class SaveJob:
     resume_replicas: Callable[[], None] | None = None
     """Called when the write ends: the peer replicas' copies paused for this save (from its host
     copy on) go on (``Replicator.pause``)."""
+    files_written: int = 0
+    """Storage operations of this save that completed (a step cleared, a sidecar, a small file...)."""
+    progress_seen: int = -1
+    """``progress`` when the step loop last asked about this save (``Checkpointer._settle``; -1: never)."""
     save_id: str = ""
     """This save's identity (``new_save_id``, made by rank 0 in the writer thread and broadcast at
     the save's opening): in the manifest, every sidecar, every local marker and so every replica."""
+
+
+def progress(job: SaveJob) -> int:
+    """How far ``job`` has got with the storage: its completed operations plus the bytes of its
+    piece file the writer took beyond any earlier try's. ``Checkpointer._settle`` cancels a save
+    that is retrying only when this stood still on every rank (a slow storage that is working
+    finishes its save)."""
+    return job.files_written + (job.stream.taken_bytes if job.stream is not None else 0)
 
 
 def new_save_id() -> str:
@@ -274,6 +286,7 @@ class CheckpointWriter:
             error = self._opening(job, self._outcome(self._prepare, name) if self.ctx.is_main else None)
         out: dict[str, Any] = {}
         if error is None:
+            job.files_written += 1  # the step is cleared: the storage answered
             error = self._outcome(self._write_own, job, name, out)
         if error is None and self.local:
             error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
@@ -346,7 +359,7 @@ class CheckpointWriter:
         (always: it carries the rank's RNG states)."""
         rel, nbytes, pieces = None, 0, []
         if job.stream is not None:
-            from podtrain.ckpt.staging import NotReplayable
+            from podtrain.ckpt.staging import NotReplayable, StagingTimedOut
 
             rel, stream = layout.rank_file(self.ctx.rank), job.stream
             path, writers = f"{name}/{rel}", []
@@ -366,18 +379,22 @@ class CheckpointWriter:
                 else:
                     with self.store.open_write(path) as fh:
                         head, crcs, nbytes = fill(fh)
+            except StagingTimedOut as exc:  # the step loop stopped waiting for the storage to take them
+                raise Transient(self.store.where(path), str(exc)) from None
             except NotReplayable as exc:  # the bytes did not outlive the failure: a transient fault still
                 failed = getattr(writers[-2], "error", None) if len(writers) > 1 else None
                 raise Transient(self.store.where(path), f"{failed.cause if failed else 'the write failed'}; "
                                                         f"{exc}") from None
             finally:
                 stream.done_with(rel)  # its slabs back to the pool; a step loop holding them goes on
+            job.files_written += 1
             offset = head
             for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
                 pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
                 offset += spec.nbytes
         meta = sidecar.encode(rel, nbytes, pieces, job.rng, job.save_id)
         self.store.write_bytes(f"{name}/{sidecar.sidecar(self.ctx.rank)}", meta)
+        job.files_written += 1
         out["record"] = (rel, {"bytes": nbytes}) if rel else None
         out["sizes"] = (nbytes if rel else None, len(meta))
 
@@ -395,6 +412,7 @@ class CheckpointWriter:
         files: dict[str, dict] = {}
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
+            job.files_written += 1
             files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         piece_files = [b for b, _ in sizes if b is not None]
         ranks = {"sidecars": len(sizes), "sidecar_bytes": sum(m for _, m in sizes),
