@@ -19,6 +19,8 @@ a stop signal with the checkpoint saved, or the crash's code.
 * ``--shutdown-timeout``: torchrun has it from torch 2.12. Where the image's torchrun has it and
   the command does not pass it, it is added from ``ckpt.grace_s``; an older torchrun SIGKILLs
   its workers 30 s after SIGTERM, which a warning says when ``ckpt.grace_s`` asks for more.
+* The launcher dies with this process (a parent-death signal, SIGKILL): where the agent is not
+  the container's PID 1 (a shared process namespace), a ``kill -9`` of it leaves nothing running.
 * The workers' lines pass through (``--tee 3`` prefixes them); torchrun's own lines go to
   ``RUN_DIR/logs/torchrun_<host>.log``, as under ``launch local``.
 """
@@ -39,7 +41,8 @@ from podtrain.launch.agent_output import AgentOutput
 from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
 from podtrain.launch.torchrun import (TORCHRUN_MODULE, TRAIN_MODULE, TORCHRUN_DEFAULT_SHUTDOWN_S,
-                                      shutdown_timeout_s, torchrun_has_shutdown_timeout)
+                                      shutdown_timeout_s, start_with_parent_death_signal,
+                                      torchrun_has_shutdown_timeout)
 
 USAGE = "python -m podtrain.launch.agent LAUNCHER [ARGS...] -m podtrain.cli train CONFIG [OVERRIDES...]"
 
@@ -88,7 +91,8 @@ def run(command: list[str]) -> int:
         env[EXIT_REPORT_DIR] = reports_dir
         try:
             launcher = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, errors="replace")
+                                        stderr=subprocess.PIPE, text=True, errors="replace",
+                                        preexec_fn=start_with_parent_death_signal())
         except OSError as exc:  # e.g. hyperpodrun not installed in the image
             hint = (" (a HyperPodPyTorchJob image needs pip install 'hyperpod-elastic-agent>=1.1.3')"
                     if Path(command[0]).name == "hyperpodrun" else "")

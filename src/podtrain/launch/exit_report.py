@@ -12,6 +12,10 @@ requeues on 203).
 
 A rank that cannot write one (SIGKILL, the hang watchdog's ``os._exit(124)``) is still known from
 torchrun's own failure summary (``torchrun_exit_codes``).
+
+``recording`` is where a rank starts under a launcher, so it is also where a rank of ``launch
+local`` ties its life to its torchrun agent's (``torchrun.die_with_agent``: a SIGKILLed agent
+leaves no worker training behind).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, storage_error
+from podtrain.launch.torchrun import die_with_agent
 
 EXIT_REPORT_DIR = "PODTRAIN_EXIT_REPORT_DIR"
 """Environment variable naming the directory where each rank writes ``rank_<R>.json``."""
@@ -46,7 +51,9 @@ def recording(rank: int) -> Iterator[ExitReport]:
     ``UserError`` or a storage failure (``errors.storage_error``) records its exit code (2; 203 for
     a storage outage, however it was wrapped) and its one line, ``KeyboardInterrupt`` 130, any
     other exception 1 with its type and message (the traceback still goes to stderr). Exceptions
-    propagate."""
+    propagate. Under ``launch local`` the rank first arranges to die with its torchrun agent
+    (``torchrun.die_with_agent``)."""
+    die_with_agent()
     report = ExitReport(rank=rank)
     try:
         yield report

@@ -13,7 +13,13 @@ The terminal sees the workers' output and one closing line, never torchrun's tra
 workers' (``exit_report.py``), even when RUN_DIR's disk fills up or turns read-only under the
 job (the log is then incomplete, and says so in one line): 0, 2 with the rank's one-line reason, 124 after a hang, and after
 Ctrl-C or SIGTERM (relayed once to the agents, which run in their own sessions) 130 or 143 with
-"stopped by SIGINT at step N, checkpoint step_N saved; run the same command to resume".
+"stopped by SIGINT at step N, checkpoint step_N saved; run the same command to resume" (after
+SIGHUP, a closed terminal, 129 and "stopped by SIGHUP").
+
+Nothing of the job outlives the launcher: a ``kill -9`` of it (the OOM killer, a CI timeout)
+SIGKILLs the agents (a parent-death signal) and they their workers (``torchrun.die_with_agent``),
+so the run's lease is free at once (its holder's pid is gone) and the same command resumes from
+the last checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from podtrain.launch.exit_report import EXIT_REPORT_DIR, read_reports
 from podtrain.launch.jobspec import add_gpu_memory_argument
 from podtrain.launch.shell import plain
 from podtrain.launch.supervise import job_verdict, wait_forwarding_signals
-from podtrain.launch.torchrun import TORCHRUN_MODULE, TRAIN_MODULE, torchrun_flags, worker_env
+from podtrain.launch.torchrun import (DIE_WITH_AGENT, TORCHRUN_MODULE, TRAIN_MODULE,
+                                      start_with_parent_death_signal, torchrun_flags, worker_env)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,14 +131,17 @@ def run(args: argparse.Namespace) -> int:
     env = worker_environment(args.nproc, args.nnodes, debug_dir=str(Path(cfg.run.dir) / "debug"))
     with tempfile.TemporaryDirectory(prefix="podtrain-exit-") as reports_dir:
         env[EXIT_REPORT_DIR] = reports_dir
+        env[DIE_WITH_AGENT] = str(os.getpid())  # the workers die with their agent, and it with us
         # Own sessions: a terminal's Ctrl-C reaches only us, and we relay it once (a second
         # signal to a torchrun agent that is already shutting down cuts its workers' save short).
+        # So no group kill reaches the agents either: they die with us by a parent-death signal.
         agents = [subprocess.Popen(torchrun_command(args.config, args.overrides, args.nproc, args.nnodes,
                                                     port, rdzv_id, args.max_restarts, args.join_timeout,
                                                     host=(i == 0), grace_s=cfg.ckpt.grace_s,
                                                     log_dir=str(log_dir)),
                                    env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, errors="replace")
+                                   stderr=subprocess.PIPE, text=True, errors="replace",
+                                   preexec_fn=start_with_parent_death_signal())
                   for i in range(args.nnodes)]
         with AgentOutput(agents, log_dir / f"torchrun_{rdzv_id}.log") as output:
             agent_codes, received = wait_forwarding_signals(agents)

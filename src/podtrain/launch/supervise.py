@@ -5,7 +5,9 @@ torchrun or hyperpodrun) end the same way, so the code is here once:
 
 * ``wait_forwarding_signals``: SIGTERM, SIGINT, SIGUSR1 and SIGHUP that reach us go to the agents
   (which run in their own sessions, so a terminal's Ctrl-C or a group kill reaches only us), and
-  torchrun relays them to its workers; SIGHUP goes on as SIGTERM.
+  torchrun relays them to its workers; SIGHUP goes on as SIGTERM (torchrun would pass SIGHUP on
+  as it is, and the workers checkpoint on ``ckpt.signals``, SIGTERM by default), but the job's
+  end still names SIGHUP (exit 129: its terminal closed).
 * ``job_verdict``: the workers' reports (``exit_report``) and torchrun's failure summary become
   the job's exit code, 0, 2 (with the rank's one-line reason), 124 (a hang), 128+N (stopped by
   a signal after its checkpoint, or a rank killed by signal N: it is named, not the ranks that
@@ -30,8 +32,8 @@ RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 def wait_forwarding_signals(agents: list[subprocess.Popen]) -> tuple[list[int], int | None]:
-    """Wait for every agent while relaying ``RELAYED_SIGNALS`` to them. Returns the agents' exit
-    codes and the first signal we received (SIGHUP reported as SIGTERM), or None."""
+    """Wait for every agent while relaying ``RELAYED_SIGNALS`` to them (SIGHUP as SIGTERM). Returns
+    the agents' exit codes and the first signal we received, as received (SIGHUP too), or None."""
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -46,8 +48,7 @@ def wait_forwarding_signals(agents: list[subprocess.Popen]) -> tuple[list[int], 
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    first = received[0] if received else None
-    return codes, (signal.SIGTERM if first == signal.SIGHUP else first)
+    return codes, (received[0] if received else None)
 
 
 def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
@@ -73,7 +74,11 @@ def job_verdict(run_dir: Path, agent_codes: list[int], received: int | None,
         return 128 + sig
     if code == 0 and any(agent_codes):
         code = next(c for c in agent_codes if c)
-        print(f"podtrain: error: torchrun exited with {code} before any rank reported; its output is "
+        if code < 0:  # torchrun itself was killed (its ranks die with it: torchrun.die_with_agent)
+            how, code = f"was killed by {signal.Signals(-code).name}", 128 - code
+        else:
+            how = f"exited with {code}"
+        print(f"podtrain: error: torchrun {how} before any rank reported; its output is "
               f"in {torchrun_log}", file=sys.stderr)
     elif code == USER_ERROR_EXIT_CODE:
         raise UserError(report.message if report is not None and report.message else
@@ -123,8 +128,11 @@ def killed_first(reports: dict[int, ExitReport], torchrun_codes: dict[int, int],
 
 def stop_line(run_dir: Path, code: int, reports: dict[int, ExitReport]) -> str:
     """``stopped by SIGINT at step N, checkpoint step_N saved; ...``: the step the ranks report,
-    else the run directory's newest complete checkpoint."""
+    else the run directory's newest complete checkpoint. SIGHUP (relayed to the ranks as
+    SIGTERM) is named as such, with its usual cause."""
     name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"exit {code}"
+    if code - 128 == signal.SIGHUP:
+        name += " (its terminal closed)"
     steps = [r.step for r in reports.values() if r.code >= 128 and r.step is not None]
     try:
         saved = list_checkpoints(run_ckpt_url(run_dir))

@@ -23,14 +23,23 @@ builds its command from these functions, ``slurm.py`` renders them into the batc
 * ``join_timeout`` in ``--rdzv-conf``: a missing node fails the rendezvous in a minute, not ten;
   ``is_host=1`` on the node that hosts the c10d store (needed when the host name resolves to
   127.0.0.1, as in containers and network namespaces).
+* torchrun starts each worker in a session of its own, and ``launch local`` starts torchrun in its
+  own (so a terminal's Ctrl-C reaches only the launcher, which relays it once): a ``kill -9`` of
+  the launcher (the OOM killer, a CI timeout) or of torchrun would leave the job training
+  unseen and holding its lease. So the launcher's agents get a parent-death signal
+  (``start_with_parent_death_signal``) and, where the launcher asks (``DIE_WITH_AGENT``), each
+  worker sets one too (``die_with_agent``): SIGKILL, the same end a ``kill -9`` of the job gives.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import math
 import os
 import re
+import signal
+import sys
 from pathlib import Path
 
 from podtrain.launch.shell import Var, Word, concat
@@ -161,3 +170,74 @@ def torchrun_flags(*, nproc: int | Var, grace_s: float, nnodes: int | Var | None
     if log_dir is not None:
         flags += [flag("log-dir", log_dir), "--tee=3"]
     return flags
+
+
+DIE_WITH_AGENT = "PODTRAIN_DIE_WITH_AGENT"
+"""Set by ``launch local`` in the workers' environment to its own pid: each worker then dies with
+its torchrun agent (``die_with_agent``), whose parent that pid must be."""
+
+PARENT_DEATH_SIGNAL = signal.SIGKILL
+"""What a launcher's agents and their workers get when their parent dies: a ``kill -9`` of the
+launcher ends the job as a ``kill -9`` of the job would (the run resumes from its last checkpoint);
+a graceful stop is the launcher's to relay (SIGINT, SIGTERM, SIGHUP), never an orphan's to guess."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's ``prctl``, or None where there is none (not Linux). Resolved before a fork: the
+    child of a ``preexec_fn`` should only call it (``find_library`` would start processes)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def set_parent_death_signal(sig: int = PARENT_DEATH_SIGNAL, prctl=None) -> bool:
+    """Ask the kernel to send ``sig`` to this process when the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``; kept across ``exec``). False where there is no ``prctl``
+    or it failed: the caller then lives on as before."""
+    prctl = prctl or _prctl()
+    return prctl is not None and prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def start_with_parent_death_signal():
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``PARENT_DEATH_SIGNAL`` when the
+    calling process (its thread: call Popen from the main thread) dies. A parent that died between
+    the fork and the ``prctl`` sends nothing, so the child checks that its parent is still the
+    caller and ends at once otherwise."""
+    parent, prctl = os.getpid(), _prctl()
+
+    def preexec() -> None:
+        if prctl is not None and set_parent_death_signal(PARENT_DEATH_SIGNAL, prctl) \
+                and os.getppid() != parent:
+            os._exit(128 + PARENT_DEATH_SIGNAL)
+    return preexec
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of process ``pid`` (from ``/proc``), or None when it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and ")"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def die_with_agent(environ: dict[str, str] | None = None) -> bool:
+    """In a worker, where the launcher asked for it (``DIE_WITH_AGENT`` holds the launcher's pid):
+    die with the torchrun agent that started this process, which keeps its workers in sessions of
+    their own, so nothing else ends them when it is SIGKILLed. An agent already gone before the
+    ``prctl`` (this process was then re-parented: its parent is no longer a child of the
+    launcher) ends this process at once, as the signal would have. True when the signal is set."""
+    launcher = (os.environ if environ is None else environ).get(DIE_WITH_AGENT, "")
+    if not launcher.isdigit():
+        return False
+    agent = os.getppid()
+    if not set_parent_death_signal():
+        return False
+    if os.getppid() != agent or _parent_of(agent) not in (int(launcher), None):
+        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+    return True
