@@ -1,6 +1,7 @@
 """Shared fixtures: keep every test process to one compute thread (2-core CI machines)."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -47,22 +48,17 @@ def s3_bucket(s3_server) -> str:
 # which share one. Groups are given here, from what a test uses, so a new test file needs no mark:
 # - "cluster": the real-Slurm and network-namespace tests (marked `cluster`): daemons, namespaces and
 #   two-node trainings that would each want the whole machine, one after another on one worker;
-# - "resume_golden": the tests that read the session's uninterrupted torchrun run (resume_golden
-#   below), so it is trained once, not once per worker;
 # - "<module>::<fixture>": the tests sharing a module-scoped fixture they ask for (a trained run, a
 #   prepared corpus), so it is built once. Autouse module fixtures (import warm-ups) group nothing.
 # Heavy tests (marked e2e, cluster or slow) are handed out first, so that the last minutes are not one
-# worker finishing a long test while the other idles.
-SHARED_SESSION_FIXTURES = ("resume_golden",)
+# worker finishing a long test while the other idles. Session fixtures that several workers use (the
+# golden torchrun run) are built once under a lock in the session's folder and shared, not grouped.
 
 
 def xdist_group_of(item) -> str | None:
     """The xdist group ``item`` must share a worker with, or None when it may run anywhere."""
     if item.get_closest_marker("cluster"):
         return "cluster"
-    for name in SHARED_SESSION_FIXTURES:
-        if name in item.fixturenames:
-            return name
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
@@ -139,11 +135,17 @@ def pytest_configure(config):
         os.environ[SESSION_VAR] = uuid.uuid4().hex[:12]
 
 
-def _hyperpod_folder() -> Path:
-    """This session's folder for the background resolution."""
+def _session_folder(kind: str) -> Path:
+    """This test session's folder for ``kind`` (the same in every xdist worker; the controller
+    removes it at the end)."""
     import tempfile
 
-    return Path(tempfile.gettempdir()) / f"podtrain-hyperpod-{os.environ[SESSION_VAR]}"
+    return Path(tempfile.gettempdir()) / f"podtrain-{kind}-{os.environ[SESSION_VAR]}"
+
+
+def _hyperpod_folder() -> Path:
+    """This session's folder for the background resolution."""
+    return _session_folder("hyperpod")
 
 
 def start_hyperpod_resolution() -> None:
@@ -163,13 +165,16 @@ def start_hyperpod_resolution() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Never leave the background resolution running, nor its folder behind (the controller, or a
-    run without xdist: a worker leaves both to the others, which may still read them)."""
-    import shutil
+    """Never leave the background resolution running, nor its folder or the shared golden run
+    behind (the controller, or a run without xdist: a worker leaves them to the others, which may
+    still read them)."""
     import signal
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    shutil.rmtree(_session_folder("golden"), ignore_errors=True)  # the shared golden run
     folder = _hyperpod_folder()
-    if os.environ.get("PYTEST_XDIST_WORKER") or not folder.exists():
+    if not folder.exists():
         return
     if not (folder / "rc").exists() and (folder / "pid").exists():
         try:
@@ -211,15 +216,43 @@ def builtin_corpus(tmp_path_factory) -> Path:
     return out
 
 
+GOLDEN_WAIT_S = 900.0
+"""Longest a worker waits for another to finish training the shared golden run."""
+
+
 @pytest.fixture(scope="session")
-def resume_golden(tmp_path_factory):
-    """test_resume's uninterrupted 2-rank run (a real torchrun, ~30 s of CPU), made once per session:
-    test_resume's golden resumes and test_soak's reference both compare with it."""
+def resume_golden():
+    """test_resume's uninterrupted 2-rank run (a real torchrun, ~30 s of CPU), made once per test
+    session and shared by every xdist worker: the first worker to ask trains it under a lock in the
+    session's folder, the others wait for it there (at most ``GOLDEN_WAIT_S``). So the tests that
+    compare with it (test_resume's golden resumes, test_node_loss, test_soak's reference: ~10 min of
+    worker time) spread over the workers instead of queueing on one. They only read it."""
+    import fcntl
+    import time
+
     from test_resume import final_weights, finish, launch, losses, make_data
 
-    base = tmp_path_factory.mktemp("golden")
-    data = make_data(base / "data")
-    code, out = finish(launch(REPO, base / "run", data))
-    assert code == 0, out[-3000:]
-    return {"repo": REPO, "data": data, "run_dir": base / "run", "losses": losses(base / "run"),
+    base = _session_folder("golden")
+    base.mkdir(parents=True, exist_ok=True)
+    fd = os.open(base / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + GOLDEN_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"another worker trained the golden run in {base} for over "
+                                         f"{GOLDEN_WAIT_S:g} s") from None
+                time.sleep(0.2)
+        if not (base / "done").exists():  # the first here (or the one after a failed try) trains it
+            shutil.rmtree(base / "run", ignore_errors=True)
+            make_data(base / "data")
+            code, out = finish(launch(REPO, base / "run", base / "data"))
+            assert code == 0, out[-3000:]
+            (base / "done").write_text("trained\n")
+    finally:
+        os.close(fd)  # the lock goes with it
+    return {"repo": REPO, "data": base / "data", "run_dir": base / "run", "losses": losses(base / "run"),
             "weights": final_weights(base / "run")}
