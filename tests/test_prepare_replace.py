@@ -31,10 +31,10 @@ def test_another_dataset_is_refused_in_one_line_and_left_unchanged(tmp_path, cap
     assert code == 2
     assert err == (f"podtrain: error: --out {tmp_path / 'd'} holds another dataset ({tokens:,} tokens from "
                    f"{tmp_path / 'big'} (41 files), tokenizer 'byte'); this prepare would replace it with "
-                   f"{tmp_path / 'small'} (1 file), tokenizer 'byte' (other inputs): choose another --out, "
+                   f"{tmp_path / 'small'} (1 file), tokenizer 'byte' (inputs: 41 files -> 1 file): choose another --out, "
                    "or pass --force to replace it")
     code, err = run_cli([tmp_path / "big", *base[:-1], "0.1"], capsys)  # the same inputs, another split
-    assert code == 2 and "(--val-fraction 0.0 -> 0.1)" in err
+    assert code == 2 and "(options: --val-fraction 0.0 -> 0.1)" in err
     assert snapshot(tmp_path / "d") == before  # not a byte, not a timestamp
 
     # The same command is not refused: up to date, then rebuilt from an input changed since (an update),
@@ -59,10 +59,10 @@ def test_a_dataset_from_before_the_recipe_is_compared_by_what_it_records(tmp_pat
     (tmp_path / "d/manifest.json").write_text(json.dumps(manifest))
     assert prep.prepare(opts([tmp_path / "c"], tmp_path / "d", val_fraction=0.0)).up_to_date
     code, err = run_cli([tmp_path / "other", "--out", tmp_path / "d", "--val-fraction", "0"], capsys)
-    assert code == 2 and "holds another dataset" in err and "(other inputs)" in err
+    assert code == 2 and "holds another dataset" in err and "(inputs: 7 files -> 4 files)" in err
     code, err = run_cli([tmp_path / "c", "--out", tmp_path / "d", "--val-fraction", "0", "--tokenizer", "bpe:300"],
                         capsys)
-    assert code == 2 and "(another tokenizer)" in err
+    assert code == 2 and "(tokenizer byte -> bpe:300)" in err
 
 
 def test_parts_and_the_tokenizer_step_are_refused_over_another_dataset(tmp_path, capsys):

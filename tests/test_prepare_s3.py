@@ -37,7 +37,7 @@ def test_another_dataset_under_the_prefix_is_refused_and_left_unchanged(s3_serve
     before = {o["Key"]: o["ETag"] for o in s3_server.boto.list_objects_v2(Bucket=s3_bucket)["Contents"]}
     code, err = run_cli([tmp_path / "other", "--out", url, "--val-fraction", "0"], capsys)
     assert code == 2 and err.startswith(f"podtrain: error: --out {url} holds another dataset (") and \
-        "(other inputs): choose another --out, or pass --force" in err, err
+        "(inputs: 5 files -> 3 files): choose another --out, or pass --force" in err, err
     after = {o["Key"]: o["ETag"] for o in s3_server.boto.list_objects_v2(Bucket=s3_bucket)["Contents"]}
     assert after == before and not list((tmp_path / "staging").iterdir())  # nothing staged
     assert run_cli([tmp_path / "c", "--out", url, "--val-fraction", "0"], capsys)[0] == 0  # the same: fine

@@ -104,11 +104,11 @@ def test_train_tokenizer_only_does_not_replace_another_tokenizer(tmp_path, capsy
 
     code, err = run_cli([tmp_path / "b", *train], capsys)
     assert (code, err) == (2, f"podtrain: error: --out {tok} holds a tokenizer ('bpe:300', "
-                              f"{tok / 'tokenizer/tokenizer.json'}) trained from other inputs (other inputs); "
+                              f"{tok / 'tokenizer/tokenizer.json'}) trained differently (inputs: 5 files -> 3 files); "
                               f"training bpe:300 would replace it under the datasets prepared with --tokenizer "
                               f"{tok}: choose another --out, or pass --force to replace it")
     code, err = run_cli([tmp_path / "a", *train[:3], "bpe:320", train[4]], capsys)
-    assert code == 2 and "trained from other inputs (another tokenizer)" in err, err
+    assert code == 2 and "trained differently (vocabulary 300 -> 320)" in err, err
     assert snapshot(tok) == before  # not a byte, not a timestamp
 
     assert run_cli([tmp_path / "b", *train, "--force"], capsys)[0] == 0
@@ -179,6 +179,6 @@ def test_s3_objects_are_decided_by_their_head_too(s3_bucket, tmp_path, monkeypat
     before = open_store(tok).read_bytes("tokenizer/tokenizer.json")
     code, err = run_cli([f"s3://{s3_bucket}/docs", *train], capsys)
     assert code == 2 and err.startswith(f"podtrain: error: --out {tok} holds a tokenizer ('bpe:300', "
-                                        f"{tok}/tokenizer/tokenizer.json) trained from other inputs"), err
+                                        f"{tok}/tokenizer/tokenizer.json) trained differently (inputs: "), err
     assert open_store(tok).read_bytes("tokenizer/tokenizer.json") == before
     assert not list((tmp_path / "staging").iterdir())

@@ -252,13 +252,105 @@ def _why_a_path(spec: str) -> str:
     return "read as a local path, not a Hugging Face Hub id"
 
 
-def _load_from_hub(name: str, eos_token: str | None) -> LoadedHF:  # pragma: no cover - needs network
+HUB_PROBE_TIMEOUT_S = 3.0  # resolving and reaching the Hub's host: a few seconds, then give up
+HUB_ETAG_TIMEOUT_S = 10.0  # huggingface_hub's first request (its default is 10 s as well)
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+SUGGEST_DEPTH = 2          # how deep under the working directory a "did you mean" looks
+SUGGEST_MAX_DIRS = 2000    # and how many folders at most (a huge working directory stays fast)
+
+
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the Hub ``endpoint`` cannot be reached (name does not resolve, connection refused,
+    timed out), or None when a TCP connection to it opens, within ``HUB_PROBE_TIMEOUT_S``.
+
+    Why probe first: huggingface_hub retries a failed connection (a DNS failure included) five
+    times with backoff, 1+2+4+8+8 s, and logs a warning each time; no setting turns that off. With
+    a proxy configured the host need not resolve here, so the probe is skipped (None)."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    url = urlsplit(endpoint)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:  # getaddrinfo has no timeout of its own: the thread's join has the deadline
+            with socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S):
+                outcome.append(None)
+        except socket.gaierror as exc:
+            outcome.append(f"cannot reach {endpoint}: {host} does not resolve ({exc.strerror})")
+        except OSError as exc:
+            outcome.append(f"cannot reach {endpoint}: {exc.strerror or exc}")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return outcome[0] if outcome else f"cannot reach {endpoint}: no answer in {HUB_PROBE_TIMEOUT_S:.0f} s"
+
+
+def _tokenizer_paths(root: Path) -> list[str]:
+    """Relative paths under ``root`` (at most ``SUGGEST_DEPTH`` levels, hidden ones left out) that
+    ``--tokenizer`` could name: folders with a tokenizer.json, prepared datasets, ``*.json`` files."""
+    found: list[str] = []
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        depth = len(rel.parts)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if depth < SUGGEST_DEPTH else []
+        seen += 1
+        if seen > SUGGEST_MAX_DIRS:
+            break
+        if depth and (TOKENIZER_FILE in filenames or "manifest.json" in filenames
+                      or Path(dirpath, ".prepare", "trained-tokenizer.json").is_file()):
+            found.append(rel.as_posix())
+        found += [(rel / f).as_posix() for f in filenames if f.endswith(".json") and depth]
+    return found
+
+
+def suggest_local(spec: str, root: Path | None = None) -> str | None:
+    """The local path under ``root`` (the working directory) closest to ``spec``, a value read as
+    a Hub id (``dat/tok`` when ``data/tok`` holds a tokenizer), or None when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(spec, _tokenizer_paths(root or Path.cwd()), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _load_from_hub(name: str, eos_token: str | None) -> LoadedHF:
+    """``name``'s tokenizer.json from the Hugging Face Hub (``HF_ENDPOINT``), or one line saying
+    why not, within a few seconds when the Hub cannot be reached, without huggingface_hub's log."""
+    import warnings
+
     tk = _tokenizers()
     try:
-        tok = tk.Tokenizer.from_pretrained(name)
-    except Exception as exc:
+        from huggingface_hub import constants, hf_hub_download
+    except ImportError:  # pragma: no cover - a dependency of tokenizers
+        raise UserError(f"--tokenizer {name}: loading from the Hugging Face Hub needs huggingface_hub "
+                        "(pip install huggingface_hub)") from None
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    why = None if constants.HF_HUB_OFFLINE else _hub_unreachable(constants.ENDPOINT)
+    if why is None:
+        hub_log.setLevel(logging.CRITICAL)  # its retry warnings are not ours to print: one line says it
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                path = hf_hub_download(name, TOKENIZER_FILE, etag_timeout=HUB_ETAG_TIMEOUT_S)
+            tok = tk.Tokenizer.from_file(path)
+        except Exception as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        finally:
+            hub_log.setLevel(level)
+    if why is not None:
+        # The suggestion comes only once the Hub failed: a real Hub id may look like a local
+        # folder's name, and must still load.
+        near = suggest_local(name)
+        hint = f"; did you mean {near}? (write ./{name} for a local path)" if near else ""
         raise UserError(f"--tokenizer {name}: not a local path, and loading it from the Hugging Face "
-                        f"Hub failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+                        f"Hub failed ({why}){hint}")
     eos_id = _choose_eos(tok, name, None, eos_token)
     return LoadedHF(HFTokenizer(tok, eos_id, kind="hf", name=name),
                     {TOKENIZER_FILE: tok.to_str().encode("utf-8")})

@@ -120,9 +120,10 @@ def tokenizer_already_trained(out: Path, corpus_key: str, recipe: dict[str, Any]
     there for this corpus (``corpus_key``), trained by ``--train-tokenizer-only`` or by a one-shot
     prepare of the same command (the same text: it is adopted, recorded for the parts), else None.
 
-    A tokenizer there trained from other inputs or options is refused in one line unless
-    ``force``: datasets prepared with ``--tokenizer DATA_DIR`` name it by its SHA-256, so training
-    over it silently would leave them apart from every dataset prepared after.
+    A tokenizer there trained from other inputs, vocabulary or options is refused in one line,
+    naming only what differs (``vocabulary 4096 -> 2048``), unless ``force``: datasets prepared
+    with ``--tokenizer DATA_DIR`` name it by its SHA-256, so training over it silently would leave
+    them apart from every dataset prepared after.
     """
     out = Path(out)
     identity = trained_identity(out, corpus_key)
@@ -145,7 +146,7 @@ def tokenizer_already_trained(out: Path, corpus_key: str, recipe: dict[str, Any]
     else:
         why = "no record of its inputs"
     name = f"{old['name']!r}, " if old.get("name") else ""
-    raise UserError(f"--out {out} holds a tokenizer ({name}{main}) trained from other inputs ({why}); "
+    raise UserError(f"--out {out} holds a tokenizer ({name}{main}) trained differently ({why}); "
                     f"training {spec} would replace it under the datasets prepared with --tokenizer {out}: "
                     "choose another --out, or pass --force to replace it")
 

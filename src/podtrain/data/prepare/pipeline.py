@@ -124,6 +124,7 @@ class PrepareResult:
     seconds: float = 0.0
     up_to_date: bool = False
     skipped_files: str = ""              # "skipped 2 files: 2 binary (NUL bytes: a.png, b)" (not read), or ""
+    text_bytes: int = 0                  # bytes of text read (decompressed): input_bytes where not compressed
 
 
 def _validate(opts: PrepareOptions) -> None:
@@ -180,12 +181,21 @@ def _setup_tokenizer(opts: PrepareOptions, sources: list[Source], hf: tokmod.Loa
         return tokmod.byte_setup()
     vocab = tokmod.parse_bpe_vocab(opts.tokenizer)
     # Training has no progress bar of its own: say what the pause is.
-    print(f"prepare: training {opts.tokenizer} on up to {opts.bpe_train_bytes / 1e6:.0f} MB of train text",
+    print(f"prepare: training {opts.tokenizer} on up to {mib(opts.bpe_train_bytes)} of train text",
           file=sys.stderr)
     tasks = (task for task, _ in plan_tasks(sources, opts.chunk_bytes, opts.text_field))
     texts = train_texts(tasks, opts.val_fraction, opts.text_field, opts.errors, opts.bpe_train_bytes, val_doc)
     tok = tokmod.train_bpe(in_this_context(texts), vocab)
     return tokmod.hf_setup(tok, {tokmod.TOKENIZER_FILE: tok.tok.to_str().encode("utf-8")})
+
+
+def mib(n: int) -> str:
+    """A byte count as ``--bpe-train-bytes`` is written about everywhere (help, docs, messages):
+    in MiB (``256 MiB``; ``286.1 MiB`` when not whole), or in bytes below one MiB."""
+    if n < 1 << 20:
+        return f"{n:,} bytes"
+    value = n / (1 << 20)
+    return f"{value:,.0f} MiB" if value == int(value) else f"{value:,.1f} MiB"
 
 
 def in_this_context(items: Iterator[Any]) -> Iterator[Any]:
@@ -249,6 +259,7 @@ def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
         writer.put(index, train, val, errors.as_dict())
         errors.add(Counts(**counts))
         result.tasks_run += 1
+        result.text_bytes += nbytes
         progress.advance(nbytes)
 
     n_tasks = 0
@@ -257,6 +268,7 @@ def _stream(opts: PrepareOptions, sources: list[Source], spec: EncodeSpec,
             n_tasks = index + 1
             if index < start.task:
                 result.tasks_skipped += 1
+                result.text_bytes += nbytes
                 progress.advance(nbytes)
                 continue
             pending.append((index, nbytes, runner.submit(task)))
@@ -280,7 +292,7 @@ class _Corpus:
     val_doc: str | None
     key: str
     recipe: dict[str, Any]     # what ``replace`` compares with a dataset already at the output
-    skipped_files: str         # the summary's "skipped N files: ..." (files not read, and why), or ""
+    skipped_files: str         # the summary's "skipped N files: ...; skipped M duplicates (...)", or ""
 
 
 def _resolve(opts: PrepareOptions) -> _Corpus:
@@ -297,11 +309,12 @@ def _resolve(opts: PrepareOptions) -> _Corpus:
         raise _empty_corpus_error(opts, f"empty corpus ({len(sources)} files, all empty)")
     hf = _load_hf_early(opts)
     sha = hashlib.sha256(hf.files[tokmod.TOKENIZER_FILE]).hexdigest() if hf else None
-    recipe = replace.make_recipe(opts.inputs, replace.tokenizer_recipe(opts.tokenizer, sha), opts.key_fields())
+    recipe = replace.make_recipe(opts.inputs, replace.tokenizer_recipe(opts.tokenizer, sha), opts.key_fields(),
+                                 len(sources))
     if not opts.force:
         replace.refuse_replacing(opts.out, existing, recipe, opts.tokenizer, opts.inputs, len(sources))
     val_doc = fallback_val_document(sources, opts.val_fraction, opts.text_field)
-    return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc), recipe, inputs.skipped_line())
+    return _Corpus(sources, hf, val_doc, run_key(sources, opts, sha, val_doc), recipe, inputs.left_out_line())
 
 
 @sharing_s3_clients

@@ -31,11 +31,17 @@ def input_where(inp: str) -> str:
     return inp if is_s3(inp) or inp == "builtin" else os.path.abspath(inp)
 
 
-def make_recipe(inputs: tuple[str, ...], tokenizer: str, options: dict[str, Any]) -> dict[str, Any]:
+def make_recipe(inputs: tuple[str, ...], tokenizer: str, options: dict[str, Any],
+                files: int | None = None) -> dict[str, Any]:
     """The recipe of a prepare: its INPUTs, its tokenizer as ``tokenizer_recipe`` says it, and the
-    options that shape the shards (``PrepareOptions.key_fields`` without tokenizer and version)."""
-    return {"inputs": [input_where(i) for i in inputs], "tokenizer": tokenizer,
-            "options": {k: v for k, v in options.items() if k not in ("tokenizer", "pipeline")}}
+    options that shape the shards (``PrepareOptions.key_fields`` without tokenizer and version);
+    ``files``, the number of files the INPUTs resolved to, is recorded for the refusal's words
+    (``inputs: 1,005 files -> 5 files``), not compared."""
+    recipe = {"inputs": [input_where(i) for i in inputs], "tokenizer": tokenizer,
+              "options": {k: v for k, v in options.items() if k not in ("tokenizer", "pipeline")}}
+    if files is not None:
+        recipe["files"] = files
+    return recipe
 
 
 def tokenizer_recipe(spec: str, tokenizer_sha256: str | None) -> str:
@@ -68,19 +74,56 @@ def read_existing(out: str | Path) -> dict[str, Any] | None:
 
 
 def differences(existing: dict[str, Any], recipe: dict[str, Any], spec: str) -> list[str]:
-    """What differs between the dataset ``existing`` and the ``recipe`` (``spec``: the --tokenizer
-    given), in words; empty when the prepare would remake the same dataset."""
+    """What differs between the dataset (or trained-tokenizer record) ``existing`` and the
+    ``recipe`` (``spec``: the --tokenizer given), concretely: ``inputs: 1,005 files -> 5 files``
+    (or the first input that differs), ``vocabulary 4096 -> 2048`` (or ``tokenizer A -> B``),
+    ``options: --val-fraction 0.0 -> 0.1``; empty when the prepare would remake the same dataset."""
     old = existing.get("recipe")
     if isinstance(old, dict):
         diff = []
         if old.get("inputs") != recipe["inputs"]:
-            diff.append("other inputs")
+            diff.append(_inputs_difference(old.get("inputs") or [], recipe["inputs"],
+                                           old.get("files", _manifest_files(existing)), recipe.get("files")))
         if old.get("tokenizer") != recipe["tokenizer"]:
-            diff.append("another tokenizer")
+            diff.append(_tokenizer_difference(str(old.get("tokenizer")), recipe["tokenizer"]))
         before, now = old.get("options") or {}, recipe["options"]
-        diff += [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in now if before.get(k) != now[k]]
+        opts = [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in now if before.get(k) != now[k]]
+        if opts:
+            diff.append("options: " + ", ".join(opts))
         return diff
     return _legacy_differences(existing, recipe, spec)
+
+
+def _manifest_files(existing: dict[str, Any]) -> int | None:
+    """How many files a dataset's manifest says its inputs held (None: no sources listed)."""
+    sources = existing.get("sources")
+    if not isinstance(sources, list) or not sources:
+        return None
+    return sum(int(s.get("files", 0)) for s in sources if isinstance(s, dict))
+
+
+def _inputs_difference(old: list[str], new: list[str], old_files: int | None, new_files: int | None) -> str:
+    """``inputs: 1,005 files -> 5 files`` when the counts of files differ (an unquoted glob
+    passes thousands of INPUTs: listing them says nothing), else the first INPUT that differs."""
+    if old_files is not None and new_files is not None and old_files != new_files:
+        return f"inputs: {_files(old_files)} -> {_files(new_files)}"
+    for i in range(max(len(old), len(new))):
+        a = old[i] if i < len(old) else "nothing"
+        b = new[i] if i < len(new) else "nothing"
+        if a != b:
+            return f"inputs: {a} -> {b}" + (f" (input {i + 1})" if i else "")
+    return "inputs: other inputs"  # pragma: no cover - the lists differ, so some position does
+
+
+def _tokenizer_difference(old: str, new: str) -> str:
+    """``vocabulary 4096 -> 2048`` between two trained BPEs, else ``tokenizer A -> B`` (a file's
+    SHA-256 shortened: ``sha256:1a2b3c4d5e6f``)."""
+    if old.startswith("bpe:") and new.startswith("bpe:"):
+        return f"vocabulary {old[4:]} -> {new[4:]}"
+
+    def short(t: str) -> str:
+        return t[:len("sha256:") + 12] if t.startswith("sha256:") else t
+    return f"tokenizer {short(old)} -> {short(new)}"
 
 
 def _legacy_differences(existing: dict[str, Any], recipe: dict[str, Any], spec: str) -> list[str]:
@@ -88,14 +131,16 @@ def _legacy_differences(existing: dict[str, Any], recipe: dict[str, Any], spec: 
     diff = []
     inputs = [input_where(str(s.get("input"))) for s in existing.get("sources") or []]
     if inputs != recipe["inputs"]:
-        diff.append("other inputs")
+        diff.append(_inputs_difference(inputs, recipe["inputs"], _manifest_files(existing), recipe.get("files")))
     tok = existing.get("tokenizer") or {}
     same_file = recipe["tokenizer"] == f"sha256:{tok.get('sha256')}"
     if not same_file and tok.get("name") != spec and not (spec == "byte" and tok.get("kind") == "byte"):
-        diff.append("another tokenizer")
-    for key in ("val_fraction", "text_field"):
-        if key in existing and existing[key] != recipe["options"].get(key):
-            diff.append(f"--{key.replace('_', '-')} {existing[key]} -> {recipe['options'].get(key)}")
+        diff.append(_tokenizer_difference(str(tok.get("name")), spec))
+    opts = [f"--{key.replace('_', '-')} {existing[key]} -> {recipe['options'].get(key)}"
+            for key in ("val_fraction", "text_field")
+            if key in existing and existing[key] != recipe["options"].get(key)]
+    if opts:
+        diff.append("options: " + ", ".join(opts))
     return diff
 
 

@@ -21,7 +21,9 @@ whatever its suffix; and where the suffix says nothing (no suffix, as ``README``
 command line counts as one whose suffix says text (the user asked for it: bad bytes meet
 ``--errors``). Files not read are counted per reason with a few names (``Inputs.skipped_line``),
 so the summary says what was left out and why; hidden files and folders (``.git``) are not corpus
-and not counted.
+and not counted. The same file reached twice (the same device and inode: a folder symlinked into
+another and matched by a glob, or two INPUTs that overlap) is read once, as the first in corpus
+order; the others are counted and named too (``Inputs.duplicates_line``).
 """
 
 from __future__ import annotations
@@ -146,6 +148,25 @@ class Inputs:
 
     sources: list[Source]
     skipped: dict[str, Skipped] = field(default_factory=dict)
+    duplicates: Skipped = field(default_factory=Skipped)  # the same file as an earlier source
+
+    def duplicate(self, name: str) -> None:
+        """Count ``name`` as dropped: the same file (device and inode) as an earlier source."""
+        self.duplicates.count += 1
+        if len(self.duplicates.examples) < SHOWN_EXAMPLES:
+            self.duplicates.examples.append(name)
+
+    def duplicates_line(self) -> str:
+        """``skipped 120 duplicates (the same file as another input: a, b, c, ...)``, or empty."""
+        n = self.duplicates.count
+        if not n:
+            return ""
+        names = ", ".join(self.duplicates.examples) + (", ..." if n > len(self.duplicates.examples) else "")
+        return f"skipped {n:,} duplicate{'s' if n != 1 else ''} (the same file as another input: {names})"
+
+    def left_out_line(self) -> str:
+        """What the summary says was left out: ``skipped_line`` and ``duplicates_line``, joined."""
+        return "; ".join(line for line in (self.skipped_line(), self.duplicates_line()) if line)
 
     def skip(self, reason: str, name: str) -> None:
         """Count the file ``name`` as skipped for ``reason``."""
@@ -425,6 +446,8 @@ def resolve_corpus(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DE
     seen: set[Any] = set()
     cands: list[_Candidate] = []
     owner: list[int] = []
+    resolved = Inputs([])
+    dups = [0] * len(expanded)
     for k, exp in enumerate(expanded):
         for item in exp.candidates:
             cand = named_as[id(item)] if isinstance(item, _Named) else item
@@ -435,9 +458,11 @@ def resolve_corpus(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DE
                 seen.add(ident)
                 cands.append(cand)
                 owner.append(k)
+            else:  # (a symlinked folder matched by a glob, two INPUTs that overlap): said in the summary
+                resolved.duplicate(src.name)
+                dups[k] += 1
     for cand in cands:
         compression.check_available(cand.source.codec, str(cand.source.path))
-    resolved = Inputs([])
     kept = [0] * len(expanded)
     for cand, k, why in zip(cands, owner, _sniff_all(cands), strict=True):
         if why is None:
@@ -446,7 +471,7 @@ def resolve_corpus(inputs: Iterable[str], builtin_bytes: int = builtin_corpus.DE
         else:
             expanded[k].skipped.skip(why, cand.source.name)
     for k, exp in enumerate(expanded):
-        if exp.folder and not kept[k]:  # a folder must hold something readable
+        if exp.folder and not kept[k] and not dups[k]:  # a folder must hold something readable
             what = "directory holds no text, .jsonl or .parquet files" if exp.folder == "directory" \
                 else "holds no text, .jsonl or .parquet objects"
             line = exp.skipped.skipped_line()
