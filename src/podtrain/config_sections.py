@@ -23,7 +23,7 @@ class RunSection:
 
 @dataclass
 class ModelSection:
-    """Which architecture to pre-train (random init)."""
+    """Which architecture to pre-train (random init, or a Hugging Face folder's weights: init_from)."""
 
     preset: str = "tiny"
     """A preset (tiny, gpt2-124m, qwen2.5-0.5b, llama-1b, llama-8b) or a path to a config.json."""
@@ -33,6 +33,11 @@ class ModelSection:
     """transformers attention kernel: sdpa, eager, or flash_attention_2 where installed."""
     memory_check: str = "error"
     """When the strategy's memory (state, activations, buffers, reserve: `podtrain plan`'s) cannot fit one device: error, warn, or off."""
+    init_from: str = ""
+    """A Hugging Face model folder (a path or s3://bucket/prefix: config.json plus model.safetensors or
+    sharded model-0000X-of-0000N.safetensors with their index) to continue pre-training: its config.json
+    replaces model.preset, its weights (bf16/fp16 become fp32) replace the random start, the optimizer
+    starts fresh at step 0. Read at a fresh start only: a resume restores the run's own checkpoint."""
 
 
 @dataclass

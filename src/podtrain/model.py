@@ -1,7 +1,9 @@
 """Model presets -> transformers config -> randomly initialised causal LM; sizes and FLOPs.
 
 Pre-training starts from random weights, so nothing is downloaded: a preset is a set of
-architecture numbers, or a local ``config.json`` (e.g. copied from a hub model folder).
+architecture numbers, or a local ``config.json`` (e.g. copied from a hub model folder). Continued
+pre-training (``model.init_from``) takes the architecture from a Hugging Face model folder's
+``config.json`` instead (``init_config``); its weights are loaded by ``podtrain.ckpt.hf_source``.
 """
 
 from __future__ import annotations
@@ -78,25 +80,126 @@ def preset_config(preset: str, vocab_size: int | None = None) -> Any:
     return config
 
 
+HF_CONFIG = "config.json"
+HF_TOKENIZER = "tokenizer.json"
+
+
+def hf_folder_config(url: str) -> Any:
+    """The transformers config of the Hugging Face model folder ``url`` (a path or ``s3://``),
+    read from its ``config.json`` through ``podtrain.storage``; one-line ``UserError`` when it is
+    missing, not JSON, or names an architecture this transformers cannot build as a causal LM."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from podtrain.storage import NotFound, StorageError, open_store
+
+    where = f"model.init_from {url}"
+    try:
+        raw = json.loads(open_store(url).read_bytes(HF_CONFIG))
+    except NotFound:
+        raise UserError(f"{where}: no {HF_CONFIG} there (a Hugging Face model folder holds config.json "
+                        "and model.safetensors or model-0000X-of-0000N.safetensors)") from None
+    except StorageError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{where}/{HF_CONFIG} is not JSON ({exc})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    arch = ", ".join(raw.get("architectures") or []) if isinstance(raw, dict) else ""
+    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{where}: architecture model_type={model_type!r}{f' ({arch})' if arch else ''} is not "
+                        f"a causal LM transformers {transformers.__version__} knows: upgrade transformers "
+                        "or start from a supported model")
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(raw)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{where}/{HF_CONFIG}: not a valid {model_type} config ({exc})") from None
+    config.use_cache = False  # training never reuses the KV cache
+    return config
+
+
+def init_config(url: str, vocab_size: int | None, tokenizer: dict[str, Any], data_where: str) -> Any:
+    """``model.init_from``'s config, checked against the run's data: the data's tokenizer must be
+    the folder's own (when the folder ships a ``tokenizer.json``: same SHA-256) and its vocabulary
+    must fit the folder's embedding; ``vocab_size`` (``model.vocab_size``), when set, must be the
+    folder's. Each mismatch is one line naming both sides and the command that fixes it."""
+    import hashlib
+
+    from podtrain.storage import NotFound, StorageError, open_store
+
+    config = hf_folder_config(url)
+    vocab = int(config.vocab_size)
+    if vocab_size is not None and int(vocab_size) != vocab:
+        raise UserError(f"model.vocab_size={vocab_size}, but model.init_from {url} has an embedding of "
+                        f"{vocab} tokens: drop model.vocab_size (the folder's model decides it)")
+    fix = f"podtrain prepare INPUT... --tokenizer {url} --out NEW_DATA_DIR, then data.path=NEW_DATA_DIR"
+    try:
+        blob = open_store(url).read_bytes(HF_TOKENIZER)
+    except NotFound:
+        blob = None  # a folder without its tokenizer: only the vocabulary can be checked
+    except StorageError as exc:
+        raise UserError(f"model.init_from {url}: {exc}") from None
+    if blob is not None and tokenizer.get("sha256") and hashlib.sha256(blob).hexdigest() != tokenizer["sha256"]:
+        raise UserError(f"tokenizer mismatch: the data {data_where} was tokenised with {tokenizer.get('name')!r} "
+                        f"(sha256 {str(tokenizer['sha256'])[:12]}), not the tokenizer of model.init_from {url} "
+                        f"(sha256 {hashlib.sha256(blob).hexdigest()[:12]}): {fix}")
+    data_vocab = int(tokenizer.get("vocab_size") or 0)
+    if data_vocab > vocab:
+        raise UserError(f"tokenizer mismatch: the data {data_where} uses {tokenizer.get('name')!r} with "
+                        f"{data_vocab} tokens, more than the embedding of model.init_from {url} holds "
+                        f"({vocab}): {fix}")
+    return config
+
+
+INITS = ("random", "zeros", "empty")
+
+
 def build_model(config: Any, attn_implementation: str = "sdpa", seed: int | None = None,
-                device: torch.device | str | None = None) -> nn.Module:
+                device: torch.device | str | None = None, init: str = "random") -> nn.Module:
     """A randomly initialised causal LM (fp32 master weights) from a transformers config.
 
     With ``seed`` the initialisation is a pure function of it, so every rank builds the same
     weights (DDP also broadcasts rank 0's, and ``check_replicas`` verifies it). ``device``:
     where the weights are created; ``meta`` builds an empty model (``build_for_strategy``).
+    ``init``: ``random``; ``zeros`` or ``empty`` skip the random initialisation (seconds to
+    minutes of CPU for a large model) when every weight is about to be overwritten
+    (``model.init_from``): ``zeros`` so replicas agree before then, ``empty`` leaves the weights'
+    memory untouched (no resident pages) for a copy whose buffers alone are read. Buffers
+    (rotary frequencies) are computed either way, and tied weights stay tied.
     """
     from transformers import AutoModelForCausalLM
 
+    if init not in INITS:
+        raise ValueError(f"init={init!r}: one of {INITS}")
     if seed is not None:
         torch.manual_seed(seed)
     try:
-        with torch.device(device or "cpu"):
+        with torch.device(device or "cpu"), _skipping_init(init != "random"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                      dtype=torch.float32)
     except (ValueError, ImportError) as exc:
         raise UserError(f"model.attn_implementation={attn_implementation!r}: {exc}") from None
+    if init != "random":
+        model.tie_weights()  # skipped with the initialisation
+        if init == "zeros" and str(device or "cpu") != "meta":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
     return model
+
+
+def _skipping_init(skip: bool):
+    """transformers' ``no_init_weights`` (torch's and its own initialisers made no-ops) when ``skip``."""
+    import contextlib
+
+    if not skip:
+        return contextlib.nullcontext()
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:  # 4.x, down to the 4.56 floor
+        from transformers.modeling_utils import no_init_weights
+
+    return no_init_weights()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from podtrain.config import RunConfig
 from podtrain.data.manifest import MANIFEST_NAME, Manifest, read_manifest
 from podtrain.data.mixture import primary_path
-from podtrain.model import attention_width, model_size, num_layers, preset_config, round_up
+from podtrain.model import attention_width, hf_folder_config, model_size, num_layers, preset_config, round_up
 from podtrain.plan.memory import ModelShape
 
 
@@ -40,7 +40,10 @@ TRAINED_KINDS = ("bpe", "hf")
 def trained_vocab(cfg: RunConfig) -> int | None:
     """The vocabulary training builds the model with (``train.preflight.check_run``):
     model.vocab_size, else the prepared data's rounded up to 64 when the data exists here, else
-    None (the preset's own). What a launcher checks and a report compares with: the run's model."""
+    None (the preset's own). What a launcher checks and a report compares with: the run's model.
+    ``model.init_from``: the folder's config.json's (training refuses any other)."""
+    if cfg.model.init_from:
+        return int(hf_folder_config(cfg.model.init_from).vocab_size)
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     manifest = _local_manifest(cfg)
@@ -56,7 +59,10 @@ def plan_vocab(cfg: RunConfig) -> VocabChoice:
     a preset planned over byte-level data (the demo's ``data/builtin``, a stand-in for a real
     corpus) is planned at its published size: llama-8b is 8.03B parameters, not the 6.98B a
     320-token embedding would make it. Training that config as written does build the 320-token
-    model, so the reason says so and names the override that plans it."""
+    model, so the reason says so and names the override that plans it. ``model.init_from``: the
+    folder's own vocabulary, the one its embedding has."""
+    if cfg.model.init_from:
+        return VocabChoice(trained_vocab(cfg), f"the vocabulary of {cfg.model.init_from}/config.json", "")
     preset_vocab = int(preset_config(cfg.model.preset).vocab_size)
     if cfg.model.vocab_size:
         return VocabChoice(cfg.model.vocab_size, "the vocabulary of model.vocab_size", "")
@@ -96,7 +102,9 @@ def model_shape(cfg: RunConfig) -> ModelShape:
 
 def vocab_shape(cfg: RunConfig, vocab: int | None) -> ModelShape:
     """The ``ModelShape`` of ``cfg``'s preset with ``vocab`` tokens (None: the preset's own) at
-    ``cfg.data.seq_len``."""
+    ``cfg.data.seq_len``; under ``model.init_from`` the folder's model (its config.json)."""
+    if cfg.model.init_from:
+        return config_shape(hf_folder_config(cfg.model.init_from), cfg.data.seq_len)
     return config_shape(preset_config(cfg.model.preset, vocab), cfg.data.seq_len)
 
 

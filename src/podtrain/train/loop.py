@@ -51,6 +51,7 @@ from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
 from podtrain.train.guard import Guard, StepJudge
+from podtrain.train.hf_init import initialise_from_folder
 from podtrain.train.optim import build_optimizer, schedule_lr, set_lr
 from podtrain.train.precision import resolve_precision
 from podtrain.train.preflight import check_run
@@ -215,7 +216,8 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
-                                                        cfg.run.seed, cfg.dist.strategy, ctx)
+                                                        cfg.run.seed, cfg.dist.strategy, ctx,
+                                                        random_init=not cfg.model.init_from)
         self.size = model_size(self.model, checked.model_config, cfg.data.seq_len)
         if cfg.train.activation_checkpointing == "full":
             checkpoint_activations(self.model)
@@ -229,6 +231,8 @@ class Trainer:
         block compiled first when train.compile asks."""
         self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
                                        self.accumulate_unsharded, self.cfg.train.compile)
+        if self.cfg.model.init_from and hasattr(self.strategy, "fill_weights"):
+            self.strategy.fill_weights = False  # every weight is loaded next: the folder's or a resume's
         wrapped = self.strategy.wrap(model, self.reference)
         self.reference = None  # rank 0's whole copy, no longer needed
         return wrapped
@@ -241,6 +245,8 @@ class Trainer:
         self.run_id = self.checkpointer.identity.lineage  # the run's id across its restarts
         resumed = restore_checkpoint(cfg, ctx, learner, self.checkpointer,
                                      tokenizer_identity(self.loader.manifest.tokenizer))
+        if resumed is None and cfg.model.init_from:  # a fresh start only: a resume never re-reads the folder
+            initialise_from_folder(cfg.model.init_from, learner, self.checkpointer, ctx)
         self.goodput.note_restore(self.checkpointer.restore_budget)  # seconds and bytes by source
         self.guard = Guard(cfg.guard, self.run_dir, ctx.is_main)
         if resumed is not None:
@@ -274,7 +280,7 @@ class Trainer:
                  ctx.world_size, ctx.backend, ctx.device.type, self.precision.name, self.strategy.describe(),
                  f" | {self.gpu_defaults}" if self.gpu_defaults else "")
         log.info("model %s: %.2fM parameters, %.1f MFLOPs/token | global batch %d x %d tokens = "
-                 "%d micro-batch%s of %d on each rank", cfg.model.preset, size.params / 1e6,
+                 "%d micro-batch%s of %d on each rank", cfg.model.init_from or cfg.model.preset, size.params / 1e6,
                  size.flops_per_token / 1e6, cfg.train.global_batch_size, cfg.data.seq_len,
                  self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),

@@ -17,7 +17,7 @@ from podtrain.config import RunConfig, accumulation_steps
 from podtrain.data.samples import SampleIndex
 from podtrain.data.sources import DataSources
 from podtrain.errors import UserError
-from podtrain.model import preset_config, round_up
+from podtrain.model import init_config, preset_config, round_up
 from podtrain.observe.hardware import device_memory_bytes
 from podtrain.observe.trackers import resolve_trackers
 from podtrain.plan.fit import Devices, check_memory
@@ -62,10 +62,14 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     resolve_trackers(cfg.log.trackers)  # a tracker named but not installed
     sources = DataSources.from_config(cfg.data, manifests=manifests)  # enough tokens, shards present and whole
     manifest = sources.manifest
-    vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
+    if cfg.model.init_from:  # the folder's architecture and vocabulary; the data's tokenizer must be its own
+        model_config = init_config(cfg.model.init_from, cfg.model.vocab_size, manifest.tokenizer, str(manifest.root))
+        vocab = int(model_config.vocab_size)
+    else:
+        vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
+        model_config = preset_config(cfg.model.preset, vocab)
     sources.check_vocab(vocab)
     val_indexes = sources.val_indexes() if cfg.eval.every else {}
-    model_config = preset_config(cfg.model.preset, vocab)
     shape = config_shape(model_config, cfg.data.seq_len)
     if device_bytes is None:
         device_bytes = device_memory_bytes(device, local_world_size)
@@ -74,7 +78,7 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         shard_group_size(cfg.dist, world_size, local_world_size)  # it must divide the world
     devices = Devices(where, local_world_size, device_bytes or 0, gpu=device.type != "cpu")
     decision = check_memory(cfg, shape, devices, world_size, cfg.model.memory_check)
-    if cfg.dist.strategy != "ddp" and world_size > 1:
+    if cfg.dist.strategy != "ddp" and world_size > 1 and not cfg.model.init_from:  # init_from: no whole copy
         check_host_copy(shape.params, device_memory_bytes(torch.device("cpu"), 1), cfg.dist.strategy,
                         cfg.model.memory_check)
     unsharded = decision.accumulate_unsharded

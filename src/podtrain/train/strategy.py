@@ -51,7 +51,7 @@ def checkpoint_activations(model: nn.Module) -> int:
 
 
 def build_for_strategy(config, attn_implementation: str, seed: int, strategy: str,
-                       ctx: DistContext) -> tuple[nn.Module, nn.Module | None]:
+                       ctx: DistContext, random_init: bool = True) -> tuple[nn.Module, nn.Module | None]:
     """``(model, reference)``: this rank's model before ``Strategy.wrap``.
 
     ddp (and one process): the model itself, initialised from ``seed`` on the CPU (the same
@@ -59,10 +59,17 @@ def build_for_strategy(config, attn_implementation: str, seed: int, strategy: st
     fsdp/hsdp: an empty model on the meta device, and on global rank 0 a whole CPU copy
     initialised from ``seed`` (None elsewhere): ``FSDPStrategy.wrap`` shards the empty model and
     fills every rank's shards from rank 0's copy, so no device ever holds the whole model.
+
+    ``random_init=False`` (``model.init_from``: every weight is loaded after the wrap): no random
+    initialisation; ddp's weights are zeros, and rank 0's fsdp copy is ``empty`` (its weights'
+    memory never touched): ``FSDPStrategy.wrap`` takes only its buffers
+    (``fill_weights=False``), so no rank holds the whole model.
     """
     if strategy == "ddp" or not ctx.initialized:
-        return build_model(config, attn_implementation, seed=seed).to(ctx.device), None
-    reference = build_model(config, attn_implementation, seed=seed, device="cpu") if ctx.is_main else None
+        return build_model(config, attn_implementation, seed=seed,
+                           init="random" if random_init else "zeros").to(ctx.device), None
+    reference = build_model(config, attn_implementation, seed=seed, device="cpu",
+                            init="random" if random_init else "empty") if ctx.is_main else None
     return build_model(config, attn_implementation, device="meta"), reference
 
 
@@ -219,6 +226,9 @@ class FSDPStrategy(Strategy):
         self.precision = precision
         self.accumulate_unsharded = accumulate_unsharded
         self.mesh = None
+        self.fill_weights = True
+        """False: ``wrap`` fills only the buffers from the reference; the weights are loaded after
+        (``model.init_from``, or the checkpoint a resume restores)."""
 
     def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
         """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head), of
@@ -250,7 +260,8 @@ class FSDPStrategy(Strategy):
         import torch.distributed as dist
 
         model.to_empty(device=self.ctx.device)
-        copy_weights(model, reference, sharded=True)
+        if self.fill_weights:
+            copy_weights(model, reference, sharded=True)
         # Buffers (rotary inv_freq: not in the state dict) are replicated, not sharded.
         whole = dict(reference.named_buffers()) if reference is not None else {}
         with torch.no_grad():
