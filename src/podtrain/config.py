@@ -57,6 +57,21 @@ def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML file (or start from defaults when ``path`` is None) and apply ``key=value``s."""
+    cfg = RunConfig()
+    for key, value in _settings(path, overrides).items():
+        _set(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def explicit_keys(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> set[str]:
+    """The dotted keys the YAML file or the overrides set, whatever their value (a key left to
+    its default is not among them): ``podtrain plan`` plans ``train.steps`` only when it is set."""
+    return set(_settings(path, overrides))
+
+
+def _settings(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The file's keys, flattened, then the overrides: what ``load_config`` applies."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -74,11 +89,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
     for item in overrides:
         key, value = parse_override(item)
         flat[key] = value
-    cfg = RunConfig()
-    for key, value in flat.items():
-        _set(cfg, key, value)
-    validate(cfg)
-    return cfg
+    return flat
 
 
 class RawText(str):
@@ -341,6 +352,19 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")
+
+
+def ignored_data_path(data: Any) -> str | None:
+    """A warning when ``data.mix`` is set and ``data.path`` was changed from its default: the
+    mix is the data and the path is not read (not even checked), which a user who set both
+    would not guess; None otherwise. (A config that leaves data.path at its default, as one
+    extending configs/demo.yaml with a data.mix override does, gets none.)"""
+    from podtrain.config_sections import DataSection
+
+    if not data.mix or data.path == DataSection.path:
+        return None
+    return (f"data.path={data.path} is ignored: data.mix is set and its {len(data.mix)} source(s) are the "
+            "data (remove data.path, or data.mix to train from it)")
 
 
 RESUME_FROM_RESETS = ("optimizer", "data")

@@ -4,7 +4,8 @@ lm-eval tasks on a run's newest checkpoint (or ``--step N``), or on an exported 
 podtrain's own model and tokenizer and no export written. Under torchrun (``podtrain launch
 local``'s torchrun, or ``torchrun ... -m podtrain.cli eval ...``) every rank loads the model and
 scores its share of the requests; rank 0 logs its progress every 30 s (``eval/progress.py``),
-prints lm-eval's table and writes its JSON (``--out``, else ``RUN_DIR/eval/step_NNNNNN.json``, or
+prints lm-eval's table (then each multiple-choice task's chance level beside its accuracies:
+``harness.chance_lines``) and writes its JSON (``--out``, else ``RUN_DIR/eval/step_NNNNNN.json``, or
 ``HF_DIR/eval_results.json`` beside an exported model: never into the current directory; a
 folder it cannot write to is one line before any scoring), plus a ``podtrain`` entry: what was
 evaluated, the data its tokenizer came from, the ranks, the requests per second. A file already
@@ -71,11 +72,13 @@ def run(args: argparse.Namespace) -> int:
                                     [Path(d) for d in args.include], args.limit, args.step,
                                     args.data, args.batch_size)
         if ctx.is_main:
-            from podtrain.eval.harness import table
+            from podtrain.eval.harness import chance_lines, table
 
             out = Path(args.out) if args.out else default_out(source, summary.get("step"))
             kept = write_results(out, results, summary)
             print(table(results))
+            for line in chance_lines(results, summary.get("chance") or {}):
+                print(line)
             print(f"{summary['requests']} requests in {summary['seconds']:.1f} s on {ctx.world_size} "
                   f"rank(s): {summary['requests_per_s']:.1f} requests/s | wrote {out}"
                   + (f" (kept the earlier results of {', '.join(kept)})" if kept else ""))
@@ -86,6 +89,7 @@ def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: in
              step: int | None, data: str | None, batch_size: int) -> tuple[dict, dict]:
     """Load ``source`` and run the tasks on every rank; rank 0 gets (results, summary)."""
     from podtrain.eval.evaluator import TaskEvaluator
+    from podtrain.eval.harness import chance_levels
     from podtrain.eval.source import load_source
     from podtrain.train.precision import resolve_precision
 
@@ -103,7 +107,8 @@ def evaluate(source: Path, names: list[str], ctx, include: list[Path], limit: in
     summary = {"source": str(source), "label": loaded.label, "step": loaded.step, "tasks": names,
                "data": str(loaded.manifest.root) if loaded.manifest is not None else None,
                "world_size": ctx.world_size, "requests": requests, "seconds": round(seconds, 3),
-               "requests_per_s": requests / seconds if seconds > 0 else 0.0, "precision": precision.name}
+               "requests_per_s": requests / seconds if seconds > 0 else 0.0, "precision": precision.name,
+               "chance": chance_levels(results, evaluator.tasks, limit)}
     return results or {}, summary
 
 

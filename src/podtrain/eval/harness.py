@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from pathlib import Path
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from podtrain.errors import UserError
+
+log = logging.getLogger("podtrain")
 
 EXTRA_HINT = "pip install 'podtrain[eval]'"
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -149,3 +152,57 @@ def table(results: dict[str, Any]) -> str:
     if results.get("groups"):
         text += "\n" + make_table(results, "groups")
     return text
+
+
+def chance_levels(results: dict[str, Any] | None, tasks: TaskSet, limit: int | None) -> dict[str, dict[str, Any]]:
+    """``{task: {"chance": p, "choices": [fewest, most]}}`` for each multiple-choice task of
+    lm-eval's ``results``: the accuracy of a uniform guess, the mean of 1/choices over the
+    documents scored (the first ``limit``, as lm-eval takes them). The choices are counted from
+    the task's documents (``doc_to_choice``), which lm-eval's results do not keep: the task is
+    loaded again, from the local dataset cache. A task that cannot be counted is left out."""
+    configs = (results or {}).get("configs") or {}
+    scored = (results or {}).get("results") or {}
+    names = [n for n, c in configs.items() if n in scored and (c or {}).get("output_type") == "multiple_choice"]
+    if not names:
+        return {}
+    try:
+        loaded = tasks.manager.load(names)["tasks"]
+    except Exception as exc:  # a hint only: never fail an evaluation that has finished
+        log.debug("eval: chance levels not counted (%s)", exc)
+        return {}
+    out = {}
+    for name in names:
+        task = loaded.get(name)
+        try:
+            counts = [len(task.doc_to_choice(doc)) for _, doc in task.doc_iterator(limit=limit)]
+        except Exception as exc:  # as above: a task whose choices cannot be listed gets no hint
+            log.debug("eval: %s: choices not counted (%s)", name, exc)
+            continue
+        if counts and min(counts) > 0:
+            out[name] = {"chance": sum(1 / n for n in counts) / len(counts), "choices": [min(counts), max(counts)]}
+    return out
+
+
+def chance_lines(results: dict[str, Any] | None, chance: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per multiple-choice task: its chance level beside its accuracies (``acc``,
+    ``acc_norm``), each with lm-eval's standard error and how many of them it lies from chance
+    (with a small ``--limit`` the error is wide: an accuracy within 2 of chance says nothing)."""
+    lines = []
+    for name, level in chance.items():
+        metrics = ((results or {}).get("results") or {}).get(name) or {}
+        low, high = level["choices"]
+        parts = []
+        for metric in ("acc", "acc_norm"):
+            value, err = metrics.get(f"{metric},none"), metrics.get(f"{metric}_stderr,none")
+            if not isinstance(value, (int, float)):
+                continue
+            text = f"{metric} {value:.4f}"
+            if isinstance(err, (int, float)) and err > 0:
+                gap = (value - level["chance"]) / err
+                where = ("within 2 standard errors of chance" if abs(gap) < 2
+                         else f"{abs(gap):.1f} standard errors {'above' if gap > 0 else 'below'} chance")
+                text += f" ± {err:.4f} ({where})"
+            parts.append(text)
+        choices = f"{low} choices" if low == high else f"{low}-{high} choices per question"
+        lines.append(f"{name}: chance {level['chance']:.4f} ({choices})" + (" | " + ", ".join(parts) if parts else ""))
+    return lines

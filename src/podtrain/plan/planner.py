@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from podtrain.config import RunConfig, accumulation_steps, load_config
+from podtrain.config import RunConfig, accumulation_steps, explicit_keys, ignored_data_path, load_config
 from podtrain.errors import UserError
 from podtrain.plan.fit import (MAX_NODES, StrategyFit, accumulates_unsharded, accumulation_phrase, choose, configured, dtype_bytes_of,
                                no_fit_advice, strategy_fits)
@@ -61,6 +62,10 @@ class Plan:
     """Where the vocabulary comes from, short (``plan.shape.plan_vocab``)."""
     vocab_reason: str = ""
     """Why that vocabulary, and the override that plans another."""
+    data_note: str | None = None
+    """``config.ignored_data_path``'s warning (data.path beside data.mix), for the text."""
+    tokens_source: str = f"{TOKENS_PER_PARAM} per parameter"
+    """Where ``tokens`` comes from: ``--tokens``, the config's train.steps, or the default ratio."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,7 +97,7 @@ class Plan:
             "strategies": [f.as_dict() for f in self.fits], "strategy": self.strategy,
             "activation_checkpointing": self.checkpointing, "step": self.time.as_dict(),
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
-            "tokens": self.tokens, "seconds_to_tokens": self.seconds_to_tokens,
+            "tokens": self.tokens, "tokens_source": self.tokens_source, "seconds_to_tokens": self.seconds_to_tokens,
             "cost_usd": self.cost_usd, "scaling": self.scaling, "note": self.note,
             "vocab": {"size": self.shape.vocab, "source": self.vocab_source, "reason": self.vocab_reason},
             "accumulation_steps": self.accum, "accumulation": self.accumulation,
@@ -116,10 +121,11 @@ def workload(cfg: RunConfig, world: int, dtype_bytes: int, checkpointing: bool) 
 
 
 def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
-              tokens: int | None, vocab: VocabChoice | None = None) -> Plan:
+              tokens: int | None, vocab: VocabChoice | None = None, steps: int | None = None) -> Plan:
     """The plan for ``cfg`` on ``nodes`` nodes of ``machine``; UserError when it fits nowhere, or
     when the global batch does not divide over the job (what the launchers refuse). ``vocab``:
-    how ``shape``'s vocabulary was chosen, for the text (default: the preset's own)."""
+    how ``shape``'s vocabulary was chosen, for the text (default: the preset's own). The tokens
+    planned: ``tokens`` when given, else ``steps`` steps of this job, else 20 per parameter."""
     if nodes < 1:
         raise UserError(f"--nodes must be 1 or more, got {nodes}")
     precision = resolve_precision(cfg.train.precision, machine.is_gpu)
@@ -146,9 +152,17 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
                 f"{cfg.train.micro_batch_size}: set dist.strategy={strategy} "
                 f"train.activation_checkpointing={'full' if ac else 'none'}")
     time = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded)
+    tokens_per_step = _tokens_per_step(cfg, world)
+    if tokens:
+        source = "--tokens"
+    elif steps:
+        tokens, source = steps * tokens_per_step, f"train.steps={steps} x {tokens_per_step:,} tokens per step"
+    else:
+        tokens = TOKENS_PER_PARAM * shape.params
+        source = f"{TOKENS_PER_PARAM} per parameter: the config sets no train.steps; --tokens N plans another"
     plan = Plan(machine=machine, shape=shape, nodes=nodes, world=world, precision=precision,
                 fits=fits, strategy=strategy, checkpointing=ac, time=time,
-                tokens_per_step=_tokens_per_step(cfg, world), tokens=tokens or TOKENS_PER_PARAM * shape.params,
+                tokens_per_step=tokens_per_step, tokens=tokens, tokens_source=source,
                 note=note, accum=accum, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, accumulate_unsharded=unsharded, unsharded_bytes=unsharded_bytes,
                 preset=cfg.model.preset, vocab_source=vocab.source if vocab else "the preset's own vocabulary",
                 vocab_reason=vocab.reason if vocab else "")
@@ -198,7 +212,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None,
                         help=f"ranks per node (default: the instance's GPUs; local: {LOCAL_RANKS})")
     parser.add_argument("--tokens", type=float, default=None,
-                        help=f"training tokens (default {TOKENS_PER_PARAM} per parameter)")
+                        help=f"training tokens (default: train.steps x tokens per step when the config "
+                        f"or an override sets train.steps, else {TOKENS_PER_PARAM} per parameter)")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="share of peak FLOP/s a step sustains (default: documented per device)")
     parser.add_argument("--busbw-json", default=None,
@@ -234,11 +249,34 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise UserError(f"--nodes must be 1 or more, got {args.nodes}")
     cfg = load_config(args.config, args.overrides)
     args.precision = cfg.train.precision
+    check_data_sources(cfg)
     vocab = plan_vocab(cfg)
     shape = vocab_shape(cfg, vocab.size)
     machine = build_machine(args, cfg, shape)
     tokens = int(args.tokens) if args.tokens else None
-    return make_plan(cfg, shape, machine, args.nodes, tokens, vocab)
+    steps = cfg.train.steps if "train.steps" in explicit_keys(args.config, args.overrides) else None
+    plan = make_plan(cfg, shape, machine, args.nodes, tokens, vocab, steps)
+    plan.data_note = ignored_data_path(cfg.data)
+    return plan
+
+
+def check_data_sources(cfg: RunConfig) -> None:
+    """Every local ``data.mix`` source, as training checks it (``read_manifest``: a missing or
+    unprepared one is one line naming it; the sources must share one tokenizer), when the data is
+    on this machine, i.e. when any local source is prepared here. A plan made away from the data
+    (none here, or ``s3://`` sources, which plan never reads) is not refused: it plans the
+    preset's own vocabulary, as for a ``data.path`` not prepared here."""
+    from podtrain.data.manifest import MANIFEST_NAME, read_manifest
+    from podtrain.data.mixture import parse_mix
+    from podtrain.data.sources import check_one_tokenizer
+    from podtrain.storage import is_s3_url
+
+    if not cfg.data.mix:
+        return
+    local = [spec for spec in parse_mix(cfg.data.mix, cfg.data.path) if not is_s3_url(spec.path)]
+    if not any((Path(spec.path) / MANIFEST_NAME).is_file() for spec in local):
+        return
+    check_one_tokenizer(local, [read_manifest(spec.path) for spec in local])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ def render_plan(plan: Any) -> str:
         f"{plan.nodes} x {m.name} = {plan.world} device(s), {m.device_memory_bytes / GIB:.1f} GiB each, "
         f"{plan.precision}",
         *([f"vocabulary: {plan.vocab_reason}"] if plan.vocab_reason else []),
+        *([f"data: {plan.data_note}"] if plan.data_note else []),
         f"batch: global {plan.tokens_per_step // plan.seq_len:,} sequences = micro-batch {plan.micro_batch} x "
         f"{plan.accum} accumulation step(s) x {plan.world} rank(s); {plan.tokens_per_step:,} tokens per step",
         f"compute: peak {m.peak_flops / 1e12:.3g} TFLOP/s x efficiency {m.efficiency:.2f} "
@@ -72,6 +73,7 @@ def render_plan(plan: Any) -> str:
         f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.tokens_per_s / plan.world:,.0f} per device) | "
         f"{plan.tokens:,.0f} tokens in {duration(plan.seconds_to_tokens)} | cost {money(plan.cost_usd)}"
         + _price_note(m),
+        f"tokens: {plan.tokens_source}",
         "",
         "scaling (same micro-batch per device; '*' = communication exceeds compute):",
     ]

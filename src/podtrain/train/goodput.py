@@ -14,6 +14,7 @@ line saying how (``ended``): ``finished`` (it reached ``train.steps``), ``interr
 ``interrupted`` attempt to the next one is nobody's loss (the run was extended or resumed when
 its user chose) and is booked nowhere. After a ``stopped`` attempt (preempted, requeued) or one
 that wrote no closing line (killed, crashed), the gap until the next attempt is ``restarts``.
+An attempt that trains no step (rerun at ``train.steps``: "nothing to do") books nothing at all.
 
 Each train line of metrics.jsonl carries the attempt's cumulative seconds (``goodput_s``, earlier
 attempts included) and ``goodput_pct``; the closing line has the attempt's final figures (its
@@ -91,6 +92,13 @@ class GoodputClock:
     def note_restore(self, budget: dict[str, Any] | None) -> None:
         """The restore's seconds and bytes by source (``Checkpointer.restore_budget``)."""
         self._restore = budget
+
+    def nothing_done(self) -> None:
+        """This attempt trains no step (the run is already at ``train.steps``): it books nothing,
+        neither its start-up nor a restart gap, so rerunning a finished run's command leaves its
+        goodput as it was. Its closing line (``ended=finished``) still makes the wait after it idle."""
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self._lost_at = None
 
     def start_steps(self) -> None:
         """The loop is about to take its first step: start-up ends here."""

@@ -24,7 +24,7 @@ import torch
 from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
-from podtrain.config import RunConfig, dump_config, load_config, to_dict
+from podtrain.config import RunConfig, dump_config, ignored_data_path, load_config, to_dict
 from podtrain.data.loader import ShardedLoader, blend_entropy
 from podtrain.data.manifest import tokenizer_identity
 from podtrain.data.mixture import ledger_fields, ledger_line
@@ -285,6 +285,8 @@ class Trainer:
                  self.accum, "" if self.accum == 1 else "es", cfg.train.micro_batch_size)
         log.info("data %s: %d samples per epoch | run dir %s", self.loader.sources.describe(),
                  self.loader.samples_per_epoch, self.run_dir)
+        if ctx.is_main and (ignored := ignored_data_path(cfg.data)):
+            log.warning(ignored)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -296,8 +298,10 @@ class Trainer:
         if progress.step >= total:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", progress.step, total)
+            state.goodput.nothing_done()  # a no-op attempt is no lost time: the run's goodput stays
+        else:
+            state.goodput.start_steps()
         interval = LogInterval(time.perf_counter(), sync_start=stepper.clock.total_sync_wait_s)
-        state.goodput.start_steps()
         while progress.step < total:
             if self._should_stop():
                 return self._stop_for_signal()
