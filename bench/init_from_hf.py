@@ -8,9 +8,10 @@ the high-water mark first), seconds. ``from_pretrained`` reads every tensor on e
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/init_from_hf.py [--hidden 512 --layers 8 --vocab 32000]
 
-The podtrain fsdp figure includes what the loop's start does today: global rank 0 builds the whole
-fp32 model at random once before sharding (``train.strategy.build_for_strategy``), so rank 0's
-peak is a whole fp32 model while the other ranks' is their shard.
+The podtrain fsdp figure includes what the loop's start does: global rank 0 builds a whole fp32
+copy of the model before sharding (``train.strategy.build_for_strategy``), but under
+``model.init_from`` without filling it (its memory reserved, never written: only its buffers are
+read), so rank 0's peak stays near the other ranks' shard.
 """
 
 from __future__ import annotations

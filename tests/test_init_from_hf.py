@@ -100,6 +100,16 @@ def test_logits_equal_from_pretrained_on_two_ranks(folders, arch, strategy):
         assert sum(reads) == total and max(reads) < 0.6 * total
     else:  # each rank read its shards (merged reads may span a small gap between them)
         assert all(0 < r < total for r in reads)
+    assert reads == _planned_reads(folders[arch], strategy, 2)  # `podtrain plan`'s figure is the load's own
+
+
+def _planned_reads(folder: Path, strategy: str, world: int, shard: int | None = None) -> list[int]:
+    """The bytes per rank ``podtrain plan`` counts for this load (``plan.init_load``)."""
+    from podtrain.model import hf_folder_config
+    from podtrain.plan.init_load import folder_tensors, rank_read_bytes
+
+    tensors, _ = folder_tensors(str(folder), hf_folder_config(str(folder)))
+    return rank_read_bytes(tensors, strategy, world, shard)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
@@ -111,6 +121,7 @@ def test_logits_equal_from_pretrained_on_four_ranks(folders, strategy):
     # fsdp: every rank reads its quarter; hsdp: each replica group reads about half the tensors, its
     # shard of them (the other group receives them): either way about a quarter of the folder each.
     assert all(0 < r < 0.5 * results[0][1] for r in reads), reads
+    assert reads == _planned_reads(folders["qwen2"], strategy, 4, 2 if strategy == "hsdp" else None)
 
 
 def _train(rank, world, repo, run_dir, data, overrides):
@@ -125,6 +136,43 @@ def _train(rank, world, repo, run_dir, data, overrides):
         *overrides])
     result = loop.train(cfg, ClusterEnv.detect())
     return result.step, result.exit_code
+
+
+@pytest.mark.parametrize("arch,strategy", [("qwen2", "ddp"), ("llama", "fsdp")])
+def test_first_step_loss_equals_a_bare_pytorch_step_from_from_pretrained(folders, tmp_path, repo, arch, strategy):
+    """Step 1's logged loss and gradient norm (2 ranks) are those of one plain PyTorch forward and
+    backward of ``from_pretrained``'s fp32 model on the same global batch. Tolerance: 1e-5
+    relative (fp32; the ranks' partial sums are added in another order than one process's)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from podtrain.config import load_config
+    from podtrain.data.loader import ShardedLoader
+
+    folder = folders[arch]  # qwen2: tied, bf16 in the folder (the head's gradient is the embedding's too)
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,))
+    run_dir = tmp_path / "run"
+    assert run_ranks(_train, 2, str(repo), str(run_dir), str(data),
+                     [f"model.init_from={folder}", "train.steps=1", f"dist.strategy={strategy}"],
+                     timeout=120)[0] == (1, 0)
+    logged = next(m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                  if m.get("step") == 1 and "loss" in m)
+    # The global batch of step 1 as the loader builds it: on one rank, its slice is the whole
+    # batch (rank 0's micro-batches, then rank 1's), in the run's data order (run.seed).
+    seed = load_config(str(repo / "configs/demo.yaml"), []).run.seed
+    loader = ShardedLoader(data, 32, 4, 2, rank=0, world_size=1, seed=seed)
+    try:
+        rows = torch.cat(loader.build(0).micro_batches)
+    finally:
+        loader.close()
+    assert rows.shape == (4, 33)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    logits = model(input_ids=rows[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert logged["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=0)
+    assert logged["grad_norm"] == pytest.approx(norm.item(), rel=1e-5, abs=0)
 
 
 @pytest.mark.slow
@@ -295,3 +343,37 @@ def test_plan_counts_the_folders_model(folders, repo, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["params"] == want == 102720  # the folder's untied 320-token Llama, not the tiny preset
     assert "320" in json.dumps(plan["vocab"])
+    assert plan["init_load"]["bytes_per_rank_max"] > 0
+    assert main(["plan", str(repo / "configs/demo.yaml"), f"model.init_from={folders['llama']}",
+                 "train.global_batch_size=64"]) == 0
+    loads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("load: model.init_from")]
+    assert len(loads) == 1 and "each rank reads at most" in loads[0], loads
+
+
+def test_plan_counts_the_load_per_rank_and_its_time(folders, repo):
+    """``plan.init_load`` on 2 nodes of 8 GPUs: the folder is read once in all, ~1/16 per rank,
+    whatever the strategy; ddp then receives the rest of the fp32 model, hsdp the other replica
+    group's shards, fsdp nothing; the time is the busiest node's reads plus that exchange."""
+    from podtrain.config import load_config
+    from podtrain.plan.init_load import READ_BYTES_PER_S_PER_NODE, init_load
+    from podtrain.plan.machine import instance_machine
+
+    folder = str(folders["llama"])  # fp32 in the folder: its bytes are the fp32 model's
+    cfg = load_config(str(repo / "configs/demo.yaml"), [f"model.init_from={folder}"])
+    machine = instance_machine("p5.48xlarge", "bf16", None, None)
+    fp32 = 102720 * 4
+    received = {"ddp": fp32 - fp32 // 16, "fsdp": 0, "hsdp": fp32 // 8 // 2}
+    for strategy in ("ddp", "fsdp", "hsdp"):
+        load = init_load(cfg, strategy, 16, machine, 2)
+        assert load.folder_bytes == fp32 and len(load.rank_bytes) == 16
+        assert sum(load.rank_bytes) == fp32, strategy  # every byte read once, by one rank
+        assert load.max_rank_bytes < 1.5 * fp32 / 16, (strategy, load.rank_bytes)
+        assert load.max_node_bytes == max(sum(load.rank_bytes[:8]), sum(load.rank_bytes[8:]))
+        assert load.exchange_bytes == received[strategy]
+        busbw = machine.busbw_gbps(2, load.exchange_bytes) if load.exchange_bytes else 0.0
+        assert load.seconds == pytest.approx(load.max_node_bytes / READ_BYTES_PER_S_PER_NODE
+                                             + (load.exchange_bytes / (busbw * 1e9) if busbw else 0))
+        line = load.line()
+        assert "\n" not in line and f"{load.max_rank_bytes / 1e3:,.1f} kB" in line and strategy in line
+        assert "2 GB/s per node (assumed)" in line and ("receiving" in line) == (strategy != "fsdp")
+        assert load.as_dict()["bytes_per_rank_max"] == load.max_rank_bytes

@@ -14,10 +14,13 @@ by rank 0 and broadcast), and a rank reads exactly the byte ranges it needs, as 
 
 Reads are merged per file (``coalesce``) and copied into the live targets as they arrive, the
 folder's bf16/fp16 converted to the model's fp32 on the way: a rank holds its share plus a few
-read buffers, never the whole model. Tied embeddings stay tied: a tied head is an alias of the
-embedding (``statedict.tied_aliases``), read once. The folder has no block checksums (it is not
-podtrain's); a short or missing file, an unknown dtype or a header that contradicts the file's
-size is a one-line ``UserError``, as is a tensor whose name or shape the config's model lacks.
+read buffers, never the whole model (on a GPU each read's bytes go to the device in the folder's
+dtype and are converted there; no value is read back to the host and nothing is collective per
+tensor: one agreement after the reads, then ``finish``'s broadcasts). Tied embeddings stay
+tied: a tied head is an alias of the embedding (``statedict.tied_aliases``), read once. The
+folder has no block checksums (it is not podtrain's); a short or missing file, an unknown dtype
+or a header that contradicts the file's size is a one-line ``UserError``, as is a tensor whose
+name or shape the config's model lacks.
 """
 
 from __future__ import annotations
@@ -285,8 +288,16 @@ def read_share(store, folder: HFFolder, wanted: list[tuple[str, int, int, torch.
             raw = buf[c.offset - r.offset:c.offset - r.offset + c.length]
             if raw.storage_offset() % ELEMENT_SIZE[d.dtype]:  # merged after an odd-sized tensor
                 raw = raw.clone()
+            values = raw.view(d.dtype)
+            if d.dst.device.type != "cpu":
+                # To the device in the folder's dtype, converted there: a CPU tensor copied into a
+                # GPU one of another dtype is first converted on the host (an fp32 temporary twice
+                # a bf16 read's size) and then sends twice the bytes over PCIe. The copy from this
+                # pageable buffer is synchronous, so the buffer may be dropped right after; no
+                # collective and no host read of a value per tensor.
+                values = values.to(d.dst.device)
             with torch.no_grad():
-                d.dst[d.dst_lo:d.dst_lo + d.count].copy_(raw.view(d.dtype))
+                d.dst[d.dst_lo:d.dst_lo + d.count].copy_(values)
         return r.length
 
     if len(reads) < 2 or threads < 2:

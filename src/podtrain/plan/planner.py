@@ -66,6 +66,8 @@ class Plan:
     """``config.ignored_data_path``'s warning (data.path beside data.mix), for the text."""
     tokens_source: str = f"{TOKENS_PER_PARAM} per parameter"
     """Where ``tokens`` comes from: ``--tokens``, the config's train.steps, or the default ratio."""
+    init_load: Any = None
+    """model.init_from: the load's bytes per rank and time (``plan.init_load.InitLoad``), else None."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,6 +103,7 @@ class Plan:
             "cost_usd": self.cost_usd, "scaling": self.scaling, "note": self.note,
             "vocab": {"size": self.shape.vocab, "source": self.vocab_source, "reason": self.vocab_reason},
             "accumulation_steps": self.accum, "accumulation": self.accumulation,
+            "init_load": self.init_load.as_dict() if self.init_load else None,
         }
 
     @property
@@ -166,6 +169,10 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
                 note=note, accum=accum, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, accumulate_unsharded=unsharded, unsharded_bytes=unsharded_bytes,
                 preset=cfg.model.preset, vocab_source=vocab.source if vocab else "the preset's own vocabulary",
                 vocab_reason=vocab.reason if vocab else "")
+    if cfg.model.init_from:
+        from podtrain.plan.init_load import init_load
+
+        plan.init_load = init_load(cfg, strategy, world, machine, nodes)
     plan.scaling = scaling_table(cfg, shape, machine, strategy, dtype_bytes, ac, plan.tokens, unsharded)
     return plan
 

@@ -74,6 +74,7 @@ def render_plan(plan: Any) -> str:
         f"{plan.tokens:,.0f} tokens in {duration(plan.seconds_to_tokens)} | cost {money(plan.cost_usd)}"
         + _price_note(m),
         f"tokens: {plan.tokens_source}",
+        *([plan.init_load.line()] if plan.init_load else []),
         "",
         "scaling (same micro-batch per device; '*' = communication exceeds compute):",
     ]
