@@ -55,3 +55,14 @@ def test_the_soaks_s3_round_imports_without_pytest():
     # and the test modules it borrows still hand pytest its fixture when pytest is there
     tree = ast.parse((REPO / "tests/s3_fault_proxy.py").read_text())
     assert any(isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "s3_proxy" for n in ast.walk(tree))
+
+
+def test_the_launchers_do_not_import_torch():
+    """`podtrain launch local|slurm|k8s` and the k8s agent start in a fraction of a second: torch (~1.5 s
+    of imports on a quiet machine, several seconds on a loaded one, before every launch) is for the
+    ranks. The hang exit code the supervisor reads used to pull it in through the watchdog."""
+    mods = ["podtrain.launch.local", "podtrain.launch.slurm", "podtrain.launch.k8s", "podtrain.launch.agent"]
+    code = f"import sys; [__import__(m) for m in {mods!r}]; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

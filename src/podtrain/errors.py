@@ -12,6 +12,10 @@ EX_TEMPFAIL (75) + 128. Kubeflow's ``restartPolicy: ExitCode`` retries 128-255 a
 1-127, so it is retried, unlike 2 (a user mistake) and 1 (a crash); it is above every signal's
 128+N (1-64), so it is never read as a kill; the Slurm batch script requeues on it like after a
 preemption."""
+HANG_EXIT_CODE = 124
+"""Exit code of a rank the hang watchdog ended (``distributed.watchdog``): the code coreutils
+``timeout`` uses, so a job's exit status reads as "timed out", told apart from a crash (1) or a user
+error (2). Here, beside the other exit codes, so the launchers read it without importing torch."""
 
 
 class UserError(Exception):

@@ -40,12 +40,9 @@ from typing import Any, Callable
 
 from podtrain.distributed.health import write_verdict
 from podtrain.distributed.recorder import CollectiveRecorder
+from podtrain.errors import HANG_EXIT_CODE
 
 log = logging.getLogger(__name__)
-
-# The exit code of a rank the watchdog ended: the code coreutils `timeout` uses, so a job's
-# exit status reads as "timed out" and is told apart from a crash (1) or a user error (2).
-HANG_EXIT_CODE = 124
 
 DEFAULT_STEP_TIMEOUT_S = 600.0
 DEFAULT_STARTUP_TIMEOUT_S = 1800.0

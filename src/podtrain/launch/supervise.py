@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 from podtrain.ckpt.layout import list_checkpoints, run_ckpt_url, step_name
-from podtrain.distributed.watchdog import HANG_EXIT_CODE
-from podtrain.errors import STORAGE_OUTAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from podtrain.errors import HANG_EXIT_CODE, STORAGE_OUTAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from podtrain.launch.exit_report import ExitReport, job_exit, torchrun_exit_codes
 
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
