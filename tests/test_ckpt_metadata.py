@@ -131,7 +131,7 @@ def _resume_rank(rank, world, run_dir, strategy, shard_size):
         restored = _local_state(model, opt)
         ck.close()
         chosen.release()
-        return counts, restored, dict(ck.last_load), draw, state.saved_world_size
+        return counts, restored, dict(ck.restored.last_load), draw, state.saved_world_size
 
 
 def _shared_bytes(folder: Path) -> int:

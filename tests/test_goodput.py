@@ -246,7 +246,7 @@ def test_goodput_line_counts_the_steps_redone_after_a_kill(capsys, data, tmp_pat
     assert train(capsys, data, run, "train.steps=5", "ckpt.every=2")[0] == 0
     # "Kill" after step 5 was logged but only step 4 was checkpointed: the newest checkpoint goes,
     # and so does the closing line a killed attempt never writes.
-    layout.remove(PosixStore(str(run / "ckpt")), layout.step_name(5))
+    layout.Housekeeping(strict=True).remove(PosixStore(str(run / "ckpt")), layout.step_name(5))
     (run / "ckpt" / "latest").write_text(layout.step_name(4))
     metrics = (run / "metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["ended"] == "finished"

@@ -64,7 +64,7 @@ def _resume(rank, world, base, train_to=0):
         ck.save(step, net, opt, None, {"step": step}, local=True)
         ck.wait()
     ck.close()
-    return state.step, state.path, restored, ck.peer_bytes, "\n".join(lines), _weights(net), ck.restore_budget
+    return state.step, state.path, restored, ck.restored.peer_bytes, "\n".join(lines), _weights(net), ck.restore_budget
 
 
 @pytest.fixture

@@ -236,7 +236,7 @@ def _placed_resume(rank, world, base, hosts):
     ck = Checkpointer(Path(base) / "run", _cfg(base, hosts[rank]), _host_ctx(rank, hosts))
     state = ck.restore(net, opt, None)
     ck.close()
-    return state.step, _weights(net), ck.peer_bytes
+    return state.step, _weights(net), ck.restored.peer_bytes
 
 
 def _replicas_in(base: Path, host: str, step: int) -> list[str]:

@@ -27,7 +27,7 @@ adds a node-local one, saved every ``ckpt.local_every`` steps (``podtrain.ckpt.l
 restart takes the newest local step every rank holds when it is at least as new as the newest
 durable checkpoint, else the durable tier.
 
-Resuming (``podtrain.ckpt.restore``, the other half of this class): rank 0 alone lists the
+Resuming (``podtrain.ckpt.restore``: the ``Restorer`` this class owns): rank 0 alone lists the
 checkpoints and picks the newest whose manifest is complete and whose files have their sizes (no data read) and broadcasts the manifest; every rank then reads and
 verifies only its share (``podtrain.ckpt.load``). When any rank finds a bad block, all ranks learn
 it (one all_gather) and fall back to the previous checkpoint together.
@@ -48,7 +48,7 @@ from podtrain import __version__
 from podtrain.ckpt import layout, lineage
 from podtrain.ckpt.lease import Lease
 from podtrain.ckpt.lineage import RunIdentity
-from podtrain.ckpt.restore import RestoreMixin
+from podtrain.ckpt.restore import Restored, Restorer, ResumeState, agreed, rank0_decides
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
@@ -103,7 +103,7 @@ def expand_local_dir(local_dir: str, ctx: DistContext) -> str:
     return expanded
 
 
-class Checkpointer(RestoreMixin):
+class Checkpointer:
     """Save, resume and retention for one run directory (see the module docstring)."""
 
     def __init__(self, run_dir: Path, cfg: CkptSection, ctx: DistContext) -> None:
@@ -114,7 +114,7 @@ class Checkpointer(RestoreMixin):
         self.cfg = cfg
         self.ctx = ctx
         self._lease: Lease | None = None
-        self.identity: RunIdentity = self._rank0_decides(self._establish)
+        self.identity: RunIdentity = rank0_decides(self.ctx, self._establish)
         """This run's lineage and checkpoint location (the same on every rank)."""
         try:
             self._build()
@@ -137,7 +137,7 @@ class Checkpointer(RestoreMixin):
         self._fence = CopyFence(ctx.device)
         owned = self._lease.still_held if self._lease is not None else (lambda: None)
         self._writer = CheckpointWriter(self.store, cfg, ctx, still_owned=owned, lineage=self.identity.lineage)
-        self.local = (open_store(self._agreed("ckpt.local_dir", lambda: lineage.local_url(
+        self.local = (open_store(agreed(ctx, "ckpt.local_dir", lambda: lineage.local_url(
             expand_local_dir(cfg.local_dir, ctx), self.identity.lineage))) if cfg.local_dir else None)
         """The node-local tier's store (this lineage's folder of ``ckpt.local_dir``), or None."""
         self._local_writer = CheckpointWriter(self.local, cfg, ctx, local=True) if self.local else None
@@ -153,14 +153,11 @@ class Checkpointer(RestoreMixin):
         """The last vote saw the storage failing (every rank then skips a due save at once)."""
         self._outage_since: float | None = None
         """When saves started failing for a transient storage fault (monotonic), or None."""
-        self.skipped: list[tuple[str, str]] = []
-        """Checkpoints the last ``restore`` passed over (name, reason), on rank 0."""
-        self.bytes_read = 0
-        """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
-        self.peer_bytes = 0
-        """Bytes of local pieces this rank received from peers in its last ``restore``."""
-        self.restore_budget: dict[str, Any] | None = None
-        """The last ``restore``: seconds, the tier, bytes by source summed over the ranks."""
+        self.restorer = Restorer(ctx, cfg, self.run_dir, self.identity, self.store, self.local, self._pool,
+                                 self._writer.group, self._local_writer.group if self._local_writer else None,
+                                 self._writer.tidy)
+        self.restored = Restored()
+        """What the last ``restore`` did (``podtrain.ckpt.restore.Restored``)."""
 
     def _establish(self) -> RunIdentity:
         """Rank 0: the run directory's lease first (nothing is written into a run another job
@@ -196,6 +193,25 @@ class Checkpointer(RestoreMixin):
     def last_save(self) -> dict[str, float]:
         """Timings of the last finished save: step, stall_s, write_s, bytes."""
         return self._writer.last_save
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+                check=None, resume: str | None = None, fresh=None) -> ResumeState | None:
+        """Every rank: load the checkpoint to resume from (``Restorer.restore``; quiesce first inside
+        a running job); None: start fresh. What it did is ``restored``."""
+        self.restored = self.restorer.restore(model, optimizer, scaler, check, resume, fresh)
+        self._last_step = self.restored.saved_step
+        self._newest = self.restored.newest if self.restored.newest is not None else self._newest
+        return self.restored.state
+
+    @property
+    def restore_budget(self) -> dict[str, Any] | None:
+        """The last ``restore``: seconds, the tier, bytes by source summed over the ranks."""
+        return self.restored.budget
+
+    @property
+    def bytes_read(self) -> int:
+        """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
+        return self.restored.bytes_read
 
     # -- save ----------------------------------------------------------------------------------
     def should_save(self, step: int, last_step: int) -> bool:

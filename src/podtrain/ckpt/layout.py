@@ -38,7 +38,7 @@ import os
 import re
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -275,11 +275,10 @@ def size_problem(store, name: str, manifest: dict[str, Any], entries: list[Entry
 
 @dataclass
 class Choice:
-    """Which checkpoint to resume from (None: start fresh) and which ones were passed over."""
+    """Which checkpoint to resume from (None: start fresh)."""
 
     name: str | None = None
     manifest: dict[str, Any] | None = None
-    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def step(self) -> int | None:
@@ -316,8 +315,7 @@ def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = No
     choice = Choice()
     listing = listing if listing is not None else scan(store)
     for _, name in reversed(listing.committed):
-        if name in exclude:
-            choice.skipped.append((name, "failed to load"))
+        if name in exclude:  # it failed to load
             continue
         try:
             manifest, reason = check(store, name, listing)
@@ -335,7 +333,6 @@ def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = No
         if reason.startswith("no manifest"):
             continue  # an unfinished save (removed at the start): not worth a warning
         log.warning("skipping checkpoint %s/%s: %s", store.url, name, reason)
-        choice.skipped.append((name, reason))
     return choice
 
 
@@ -343,31 +340,15 @@ def _step_dirs(store) -> list[tuple[int, str]]:
     return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
 
 
-def clean_stale(store, listing: StepListing | None = None, tidy: "Housekeeping | None" = None) -> list[str]:
-    """Remove unfinished saves (step directories without a manifest) and temporary leftovers;
-    ``listing``: the store's ``scan`` when the caller has one (else one is made here). Best effort
-    (``tidy``): a delete the storage refuses is a warning, never a reason not to start."""
-    tidy = tidy if tidy is not None else Housekeeping()
-    removed = (listing if listing is not None else scan(store)).unfinished
-    return [name for name in removed
-            if tidy.attempt(store, "remove the unfinished save " + name, store.delete_prefix, name + "/")]
-
-
-def remove(store, name: str) -> None:
-    """Delete checkpoint ``name``: its manifest first, so that a kill mid-way (a store deletes file
-    by file) leaves an unfinished save, never a committed checkpoint with files missing. Raises
-    what the store raises; housekeeping goes through ``Housekeeping.remove`` instead."""
-    store.delete(f"{name}/{MANIFEST}")
-    store.delete_prefix(name + "/")
-
-
 class Housekeeping:
-    """Deletes that must never stop training (retention, the clean-up of unfinished saves, a
-    failed save's leftovers): a storage that refuses one (a bucket with object lock or without
-    ``s3:DeleteObject``, an outage, a full disk) is a warning, said once per store and kind of
-    failure for the life of this object (one per writer), and the caller goes on."""
+    """The one way checkpoint files are deleted. Best effort (the default: retention, the clean-up
+    of unfinished saves, a failed save's leftovers): a storage that refuses a delete (a bucket with
+    object lock or without ``s3:DeleteObject``, an outage, a full disk) is a warning, said once per
+    store and kind of failure for the life of this object (one per writer), and the caller goes on.
+    ``strict``: the refusal is raised instead (a save's own clearing, whose failure fails the save)."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
         self._said: set[tuple[str, str]] = set()
 
     def attempt(self, store, what: str, fn: Callable[..., Any], *args) -> bool:
@@ -376,6 +357,8 @@ class Housekeeping:
             fn(*args)
             return True
         except (StorageError, OSError) as exc:
+            if self.strict:
+                raise
             key = (str(store.url), type(exc).__name__)
             if key not in self._said:
                 self._said.add(key)
@@ -383,12 +366,28 @@ class Housekeeping:
                             "stay; this is said once per kind of failure)", what, store.url, exc)
             return False
 
-    def remove(self, store, name: str) -> bool:
-        """``remove`` a checkpoint, best effort. False when its manifest could not be deleted
-        (it may still stand: the checkpoint is then left whole); the rest is tried only after it."""
-        if not self.attempt(store, f"delete {name}/{MANIFEST}", store.delete, f"{name}/{MANIFEST}"):
-            return False
-        self.attempt(store, f"delete the files of {name}", store.delete_prefix, name + "/")
+    def remove(self, store, name: str, first=(MANIFEST,), rest=("",)) -> bool:
+        """Delete in folder ``name`` the files ``first``, in order (a commit: once it is gone a kill
+        mid-way leaves an unfinished save, never a committed one with files missing), then every
+        file whose name starts with one of ``rest`` (``""``: all the rest), then the folder and its
+        parents in ``name`` once empty (POSIX). The defaults remove a checkpoint. False when a file
+        of ``first`` could not be deleted (it may still stand: nothing after it is tried)."""
+        for rel in first:
+            if not self.attempt(store, f"delete {name}/{rel}", store.delete, f"{name}/{rel}"):
+                return False
+        for rel in rest:
+            self.attempt(store, f"delete the files of {name}", store.delete_prefix, f"{name}/{rel}")
+        parts = name.split("/")
+        for depth in range(len(parts), 0, -1):  # a folder another rank still writes into stays
+            path = store.local_path("/".join(parts[:depth]))
+            try:
+                if path is None:  # S3: no folders
+                    break
+                path.rmdir()
+            except FileNotFoundError:  # gone already (delete_prefix removes the folders it empties)
+                continue
+            except OSError:  # not empty: its parents are not either
+                break
         return True
 
 

@@ -34,6 +34,7 @@ import logging
 from typing import Any
 
 from podtrain.ckpt import layout
+from podtrain.ckpt.lineage import read_json
 from podtrain.ckpt.sidecar import sidecar
 from podtrain.ckpt.store import NotFound, StorageError
 
@@ -64,15 +65,10 @@ def write_marker(store, name: str, rank: int, world: int, record: tuple | None,
 
 
 def clear(store, name: str, rank: int) -> None:
-    """Remove this rank's files of step ``name`` (marker first, temporaries of killed writes too)."""
-    for rel in own_files(rank):
-        store.delete(f"{name}/{rel}")
-        store.delete_prefix(f"{name}/.{rel}.")  # a killed writer's temporary ('.NAME.XXXX.tmp')
-    path = store.local_path(name)
-    try:
-        path.rmdir()  # the last rank of the node to leave removes the directory
-    except OSError:
-        pass
+    """Remove this rank's files of step ``name`` (marker first, temporaries of killed writes too;
+    the folder once the node's last rank left it); raises what the store raises."""
+    own = own_files(rank)  # a killed writer's temporary: '.NAME.XXXX.tmp'
+    layout.Housekeeping(strict=True).remove(store, name, own, [f".{rel}." for rel in own])
 
 
 def _own_steps(store, rank: int) -> list[tuple[int, str]]:
@@ -96,7 +92,7 @@ def part(store, prefix: str, owner: int, world: int) -> dict | None:
     committed part belongs to a run of ``world`` ranks and is whole: the marker, its piece file at
     the marked size, and for rank 0 the manifest, of the save the marker names; else None."""
     try:
-        body = json.loads(store.read_bytes(f"{prefix}/{marker(owner)}"))
+        body = read_json(store, f"{prefix}/{marker(owner)}") or {}  # absent or damaged: not whole
         ok = body.get("world_size") == world and (
             body.get("file") is None or store.size(f"{prefix}/{body['file']}") == body.get("bytes"))
         if ok and owner == 0:
@@ -106,11 +102,6 @@ def part(store, prefix: str, owner: int, world: int) -> dict | None:
         log.warning("local checkpoint %s/%s is not usable for rank %d: %s", store.url, prefix, owner, exc)
         ok = False
     return body if ok else None
-
-
-def usable(store, prefix: str, owner: int, world: int) -> bool:
-    """Whether rank ``owner``'s committed part under ``prefix`` is whole (``part``)."""
-    return part(store, prefix, owner, world) is not None
 
 
 def newest_common(held_by_rank: list[list]) -> Any:

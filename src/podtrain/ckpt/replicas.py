@@ -226,8 +226,7 @@ def replicate(store, name: str, rank: int, ring: Ring, group, pace=None) -> int:
         # An earlier save's replica of this step (a rollback saved it again): gone, its marker
         # first, before any file of this save arrives, so the folder never mixes the two.
         try:
-            store.delete(f"{where}/{local_tier.marker(src)}")
-            store.delete_prefix(f"{where}/")
+            layout.Housekeeping(strict=True).remove(store, where, first=(local_tier.marker(src),))
         except Exception as exc:  # still run the protocol (the peer waits for it); a file left over
             log.warning("could not clear %s/%s before receiving its replica: %s", store.url, where, exc)
         try:
@@ -244,15 +243,7 @@ def drop(store, name: str, owners, own_files_too: bool = True) -> None:
     for owner in owners:
         if own_files_too:
             local_tier.clear(store, name, owner)
-        store.delete_prefix(f"{name}/{replica_dir(owner)}/")
-        try:
-            store.local_path(f"{name}/{replica_dir(owner)}").rmdir()
-        except OSError:
-            pass
-    try:
-        store.local_path(name).rmdir()
-    except OSError:
-        pass
+        layout.Housekeeping(strict=True).remove(store, f"{name}/{replica_dir(owner)}", first=())
 
 
 def drop_incomplete(store, name: str, owners) -> None:

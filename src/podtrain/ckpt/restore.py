@@ -1,14 +1,16 @@
-"""The resume half of ``Checkpointer`` (``podtrain.ckpt.checkpointer``): choosing the checkpoint
-(this run's newest, else ``ckpt.resume_from``; the node-local tier and its peer replicas first),
-loading every rank's share and agreeing on the outcome, and the rank-0 decisions and all-rank
-agreements both halves use. ``RestoreMixin`` holds no state of its own: it works on the
-Checkpointer's stores, identity, writer and pool."""
+"""Resuming a run: choosing the checkpoint (this run's newest, else ``ckpt.resume_from``; the
+node-local tier and its peer replicas first), loading every rank's share and agreeing on the
+outcome. ``Restorer`` is given what it works on (the context, the section, the run's identity,
+the tiers' stores, the staging pool, the writers' gloo groups) and returns what it did
+(``Restored``); the ``Checkpointer`` owns one. ``rank0_decides`` and ``agreed`` are the rank-0
+decisions and all-rank agreements both halves use."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -16,10 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from podtrain.ckpt import layout, lineage, local_tier, replicas
+from podtrain.ckpt.host_buffers import StagingPool
 from podtrain.ckpt.load import finish, prepare, read, read_small, saved_world_size
 from podtrain.ckpt.reader import peek_train_state
 from podtrain.ckpt.store import StorageError, open_store
 from podtrain.ckpt.tensorio import CorruptCheckpoint
+from podtrain.config_sections import CkptSection
+from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.model import unwrap
 from podtrain.storage.errors import AccessDenied, NoSpace, ReadOnly, Transient
@@ -62,33 +67,64 @@ class ResumeState:
     """The checkpoint is another lineage's: this run starts from it (``ckpt.resume_from``)."""
 
 
-class RestoreMixin:
-    """Resume for ``Checkpointer`` (see the module docstring)."""
+@dataclass
+class Restored:
+    """What one restore did (every rank; ``Checkpointer.restored``)."""
+
+    state: ResumeState | None = None
+    """What it loaded, for the loop; None: a fresh start."""
+    tier: str | None = None
+    """Where from: "local" or "durable" (None: nothing loaded)."""
+    saved_step: int | None = None
+    """The loaded step when the durable tier holds it for this lineage (saving it again is skipped)."""
+    newest: int | None = None
+    """The loaded step when it is this run's own newest durable checkpoint (said in messages)."""
+    bytes_read: int = 0
+    """Tensor bytes this rank read (its share, whole blocks)."""
+    peer_bytes: int = 0
+    """Bytes of local pieces this rank received from peers."""
+    last_load: dict[str, Any] = field(default_factory=dict)
+    """This rank's last load: metadata bytes parsed and seconds, saved ranks whose sidecars it read."""
+    budget: dict[str, Any] | None = None
+    """Seconds, the tier, bytes by source summed over the ranks."""
+
+
+class Restorer:
+    """Resume for one run (see the module docstring)."""
+
+    def __init__(self, ctx: DistContext, cfg: CkptSection, run_dir: Path, identity: lineage.RunIdentity, store,
+                 local, pool: StagingPool, group, local_group, tidy: layout.Housekeeping) -> None:
+        """``cfg``: the ``ckpt`` section (resume, resume_from, resume_from_reset); ``identity``: this
+        run's (a branch records its parent there and in RUN_DIR/lineage.json); ``store``/``local``:
+        the durable and node-local tiers (or None); ``pool``: the staging pool reads go through;
+        ``group``/``local_group``: the gloo groups of the tiers' writers, which must be idle
+        (``Checkpointer.quiesce``); ``tidy``: the clean-up of unfinished saves (best effort)."""
+        self.ctx, self.cfg, self.run_dir, self.identity = ctx, cfg, Path(run_dir), identity
+        self.store, self.local, self.pool, self.tidy = store, local, pool, tidy
+        self.group, self.local_group = group, local_group
+        self.last = Restored()
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
-                resume: str | None = None, fresh: Callable[[], None] | None = None) -> ResumeState | None:
-        """See ``_restore``; also records ``restore_budget`` (seconds, bytes by source)."""
+                resume: str | None = None, fresh: Callable[[], None] | None = None) -> Restored:
+        """See ``_restore``; the outcome also holds the bytes read by source and the seconds."""
         t0 = time.perf_counter()
-        self.bytes_read, self.peer_bytes, self._restored_local = 0, 0, False
-        self.last_load: dict[str, Any] = {}
-        """This rank's last load: metadata bytes parsed and seconds, saved ranks whose sidecars it read."""
-        state = self._restore(model, optimizer, scaler, check, resume, fresh)
-        local = state is not None and self._restored_local
-        mine = [0 if state is None else self.bytes_read, self.peer_bytes]
-        total = torch.tensor(mine, dtype=torch.int64)
-        if self._writer.group is not None:  # one small sum over the gloo group, once per start
-            dist.all_reduce(total, group=self._writer.group)
+        out = self.last = Restored()
+        out.state = state = self._restore(model, optimizer, scaler, check, resume, fresh)
+        local = state is not None and out.tier == "local"
+        total = torch.tensor([0 if state is None else out.bytes_read, out.peer_bytes], dtype=torch.int64)
+        if self.group is not None:  # one small sum over the gloo group, once per start
+            dist.all_reduce(total, group=self.group)
         disk, peers = (int(v) for v in total)
-        self.restore_budget = {
-            "restore_s": time.perf_counter() - t0, "tier": None if state is None else "local" if local else "durable",
+        out.budget = {
+            "restore_s": time.perf_counter() - t0, "tier": out.tier,
             "bytes": {"local_disk": disk if local else 0, "peers": peers, "durable": 0 if local else disk}}
         if state is not None and self.ctx.is_main:
             log.info("restore took %.2f s: %.1f MB read from local disks (the pieces from peers included, "
                      "after their transfer), %.1f MB received from peers, %.1f MB read from the durable tier",
-                     self.restore_budget["restore_s"], self.restore_budget["bytes"]["local_disk"] / 1e6,
-                     peers / 1e6, self.restore_budget["bytes"]["durable"] / 1e6)
-        return state
+                     out.budget["restore_s"], out.budget["bytes"]["local_disk"] / 1e6,
+                     peers / 1e6, out.budget["bytes"]["durable"] / 1e6)
+        return out
 
     def _restore(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, check: Callable[[dict, int, str], None] | None = None,
@@ -112,13 +148,13 @@ class RestoreMixin:
         if self.local is not None and resume == "auto":
             state, dirty = self._restore_local(model, optimizer, scaler, check)
             if state is not None:
-                self._restored_local = True
+                self.last.tier = "local"
                 return state
         failed: set[str] = set()
         while True:
             if dirty:
                 optimizer.state.clear()  # partly loaded: as a fresh optimizer (or the next load) wants it
-            choice = self._rank0_decides(lambda: self._choose(resume, failed))
+            choice = rank0_decides(self.ctx, lambda: self._choose(resume, failed))
             if choice is None:
                 log.info("no checkpoint to resume from (ckpt.resume=%s): starting fresh", resume)
                 if dirty:
@@ -126,6 +162,7 @@ class RestoreMixin:
                 return None
             state = self._load(choice, model, optimizer, scaler, check)
             if state is not None:
+                self.last.tier = "durable"
                 return self._adopt(choice, state, optimizer)
             dirty = True
             if resume != "auto" or choice["key"] != "ckpt.resume":
@@ -150,7 +187,7 @@ class RestoreMixin:
         if "data" in self.cfg.resume_from_reset:
             state.loader, state.step, state.tokens_seen = None, 0, 0
             state.train_state.pop("guard", None)  # its window names the parent's steps and data
-        self._last_step = None  # nothing of this lineage is saved yet
+        self.last.saved_step = None  # nothing of this lineage is saved yet
         return state
 
     def _start_over(self, fresh: Callable[[], None] | None) -> None:
@@ -168,7 +205,7 @@ class RestoreMixin:
         at least as new as the newest durable checkpoint; None: use the durable tier (all ranks
         agree). The flag: a load failed (the live state holds part of it)."""
         world = self.ctx.world_size
-        held, holding = self._agreed(self.local.url, lambda: (
+        held, holding = agreed(self.ctx, self.local.url, lambda: (
             local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
         plan = replicas.plan_sources(self.ctx.all_gather_object(holding), world)
         if plan is None:
@@ -195,21 +232,21 @@ class RestoreMixin:
         if common is None:
             return None, False
         step, save_id = common
-        choice = self._rank0_decides(lambda: self._local_choice(step, save_id))
+        choice = rank0_decides(self.ctx, lambda: self._local_choice(step, save_id))
         if choice is None:
             return None, False
         store = local_tier.WithSmallFiles(self.local, choice.pop("files"))
         state = self._load(choice, model, optimizer, scaler, check, store)
         if state is None:
             log.warning("the local checkpoint of step %d could not be restored: trying the durable tier", step)
-        self._last_step = None  # the durable tier may lack this step: a stop signal now must save it
+        self.last.saved_step = None  # the durable tier may lack this step: a stop signal now must save it
         return state, state is None
 
     def _repair_from_peers(self, step: int, save_id: str | None, source: dict[int, int]) -> bool:
         """Every rank: the ranks missing their own pieces of local step ``step`` (save ``save_id``) receive them from
         the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
         False: use the durable tier (every rank alike)."""
-        durable = self._rank0_decides(lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
+        durable = rank0_decides(self.ctx, lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
         if durable and durable[0] > step:
             if self.ctx.is_main:
                 log.info("local step %d (held by peers) is older than durable step %d: resuming from the "
@@ -218,7 +255,7 @@ class RestoreMixin:
         t0 = time.perf_counter()
         problem, got = None, 0
         try:
-            got = replicas.repair(self.local, step, save_id, source, self.ctx.rank, self._local_writer.group)
+            got = replicas.repair(self.local, step, save_id, source, self.ctx.rank, self.local_group)
         except Exception as exc:  # agreed below: every rank falls back together
             problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
         reports = self.ctx.all_gather_object((problem, got))
@@ -227,7 +264,7 @@ class RestoreMixin:
             log.warning("local step %d could not be gathered from the peers (%s): resuming from the durable "
                         "tier", step, problems[0])
             return False
-        self.peer_bytes = got
+        self.last.peer_bytes = got
         if self.ctx.is_main:
             moved = sorted(o for o, h in source.items() if h != o)
             log.info("local step %d: the pieces of rank(s) %s came from peers (%s; %.1f MB in %.2f s); "
@@ -258,14 +295,11 @@ class RestoreMixin:
         return {**self._choice(local_tier.WithSmallFiles(self.local, files), None, name, manifest),
                 "files": files}
 
-    def _store_of(self, choice: dict) -> Any:
-        return self.store if choice["root"] is None else open_store(choice["root"])
-
     def _load(self, choice: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
               scaler: torch.amp.GradScaler | None, check: Callable | None, store=None) -> ResumeState | None:
         """Every rank: load one checkpoint (from ``store``, default the choice's); None when some
         rank found it corrupted or missing (all agree)."""
-        store = store if store is not None else self._store_of(choice)
+        store = store if store is not None else self.store if choice["root"] is None else open_store(choice["root"])
         name, manifest, where = choice["name"], choice["manifest"], choice["where"]
         step = int(manifest["step"])
         if check is not None:
@@ -275,7 +309,7 @@ class RestoreMixin:
         problem = None
         try:  # the metadata (state files, sidecars) and the data fail alike: a damaged file falls back
             plan = prepare(store, name, manifest, net, optimizer, self.ctx.rank, self.ctx.world_size)
-            self.bytes_read = read(plan, store, name, self.ctx.rank, self._pool)
+            self.last.bytes_read = read(plan, store, name, self.ctx.rank, self.pool)
         except Exception as exc:  # every failure is agreed below: no rank may wait for one that raised
             problem = (_read_failure_kind(exc), f"{type(exc).__name__}: {exc}")
         reports = self.ctx.all_gather_object(problem)
@@ -290,22 +324,22 @@ class RestoreMixin:
             log.warning("checkpoint %s failed its checks on %d rank(s) (rank %d: %s): every rank falls "
                         "back to the previous checkpoint", where, len(bad), rank, why)
             return None
-        raw = self._agreed(where, lambda: finish(plan, net, optimizer, self._writer.group))
+        raw = agreed(self.ctx, where, lambda: finish(plan, net, optimizer, self.group))
         if scaler is not None and raw.get("scaler"):
             scaler.load_state_dict(raw["scaler"])
-        self._last_step = step
+        self.last.saved_step = step
         if choice["root"] is None and store is self.store:
-            self._newest = step
+            self.last.newest = step
         saved_world = saved_world_size(manifest)
         if saved_world != self.ctx.world_size and self.ctx.is_main:
             log.warning("checkpoint %s was saved by %d rank(s), this run has %d: RNG states not "
                         "restored (data order depends only on the seed and the loader position)",
                         where, saved_world, self.ctx.world_size)
-        self.last_load = {"metadata_bytes_parsed": plan.metadata_bytes_parsed, "metadata_s": plan.metadata_s,
-                          "saved_ranks_read": plan.saved_ranks_read, "bytes_read": self.bytes_read}
+        self.last.last_load = {"metadata_bytes_parsed": plan.metadata_bytes_parsed, "metadata_s": plan.metadata_s,
+                               "saved_ranks_read": plan.saved_ranks_read, "bytes_read": self.last.bytes_read}
         ts = raw.get("train_state") or {}
         log.info("resumed from %s (step %d) in %.1f s, %.1f MB read by this rank", where, step,
-                 time.perf_counter() - t0, self.bytes_read / 1e6)
+                 time.perf_counter() - t0, self.last.bytes_read / 1e6)
         return ResumeState(path=where, step=int(ts.get("step", step)), tokens_seen=int(ts.get("tokens_seen", 0)),
                            run_id=ts.get("run_id"), loader=ts.get("loader"),
                            rng=raw.get("rng"), saved_world_size=saved_world, train_state=ts)
@@ -315,7 +349,8 @@ class RestoreMixin:
         ours), then pick the checkpoint (manifest + sizes only): this lineage's newest, else the
         ``ckpt.resume_from`` one; an explicit ``ckpt.resume`` path wins."""
         listing = layout.scan(self.store)  # one listing for the clean-up and the choice (S3: one LIST)
-        removed = layout.clean_stale(self.store, listing, self._writer.tidy)
+        removed = [name for name in listing.unfinished if self.tidy.attempt(
+            self.store, f"remove the unfinished save {name}", self.store.delete_prefix, name + "/")]
         if removed:
             log.info("removed %d unfinished save(s) under %s: %s", len(removed), self.store.url, ", ".join(removed))
         if resume == "never":
@@ -327,7 +362,6 @@ class RestoreMixin:
         while True:  # a checkpoint whose train state cannot be read is passed over like a damaged one
             choice = layout.find_latest(self.store, failed, lineage=self.identity.lineage, skip_unsafe=True,
                                         listing=listing)
-            self.skipped = choice.skipped
             if choice.name is None:
                 break
             try:
@@ -349,7 +383,6 @@ class RestoreMixin:
                 raise UserError(f"{key}={given}: checkpoint is not usable: {reason}")
             return self._choice(store, store.url, name, manifest, key, given)
         choice = layout.find_latest(store, failed)
-        self.skipped = choice.skipped
         if choice.name is None:
             raise UserError(f"{key}={given}: no valid checkpoint in {store.url}")
         return self._choice(store, store.url, choice.name, choice.manifest, key, given)
@@ -361,38 +394,40 @@ class RestoreMixin:
                 "train_state": peek_train_state(store, name, manifest), "key": key, "given": given,
                 "lineage": layout.checkpoint_lineage(store, name, manifest)}
 
-    def _rank0_decides(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
-        outcome: tuple[str, Any] | None = None
-        if self.ctx.is_main:
-            try:
-                outcome = ("ok", fn())
-            except UserError as exc:
-                outcome = ("user", exc)  # the exception itself: a storage outage keeps its exit code
-            except Exception as exc:
-                outcome = ("bug", f"{type(exc).__name__}: {exc}")
-                if not self.ctx.initialized:
-                    raise
-                log.exception("checkpoint decision failed on rank 0")
-        kind, value = self.ctx.broadcast_object(outcome)
-        if kind == "user":
-            raise value
-        if kind == "bug":
-            raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
-        return value
 
-    def _agreed(self, where: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
-        failure, result = None, None
+def rank0_decides(ctx, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only and broadcast its result (or its error) to every rank."""
+    outcome: tuple[str, Any] | None = None
+    if ctx.is_main:
         try:
-            result = fn()
-        except Exception as exc:  # agreed below, so no rank waits on one that failed
-            failure = exc
-        self.ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
-        if isinstance(failure, Transient):
-            raise failure  # retryable: exit 203, not 2
-        if isinstance(failure, UserError):
-            raise UserError(f"resuming from {where} failed: {failure}") from None
-        if failure is not None:
-            raise failure
-        return result
+            outcome = ("ok", fn())
+        except UserError as exc:
+            outcome = ("user", exc)  # the exception itself: a storage outage keeps its exit code
+        except Exception as exc:
+            outcome = ("bug", f"{type(exc).__name__}: {exc}")
+            if not ctx.initialized:
+                raise
+            log.exception("checkpoint decision failed on rank 0")
+    kind, value = ctx.broadcast_object(outcome)
+    if kind == "user":
+        raise value
+    if kind == "bug":
+        raise RuntimeError(f"rank 0 could not choose a checkpoint: {value}")
+    return value
+
+
+def agreed(ctx, where: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
+    failure, result = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # agreed below, so no rank waits on one that failed
+        failure = exc
+    ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+    if isinstance(failure, Transient):
+        raise failure  # retryable: exit 203, not 2
+    if isinstance(failure, UserError):
+        raise UserError(f"resuming from {where} failed: {failure}") from None
+    if failure is not None:
+        raise failure
+    return result
