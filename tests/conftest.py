@@ -227,25 +227,15 @@ def resume_golden():
     session's folder, the others wait for it there (at most ``GOLDEN_WAIT_S``). So the tests that
     compare with it (test_resume's golden resumes, test_node_loss, test_soak's reference: ~10 min of
     worker time) spread over the workers instead of queueing on one. They only read it."""
-    import fcntl
-    import time
-
+    from podtrain.fsutil import flock_within
     from test_resume import final_weights, finish, launch, losses, make_data
 
     base = _session_folder("golden")
     base.mkdir(parents=True, exist_ok=True)
     fd = os.open(base / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + GOLDEN_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"another worker trained the golden run in {base} for over "
-                                         f"{GOLDEN_WAIT_S:g} s") from None
-                time.sleep(0.2)
+        if not flock_within(fd, GOLDEN_WAIT_S, poll_s=0.2):
+            raise AssertionError(f"another worker trained the golden run in {base} for over {GOLDEN_WAIT_S:g} s")
         if not (base / "done").exists():  # the first here (or the one after a failed try) trains it
             shutil.rmtree(base / "run", ignore_errors=True)
             make_data(base / "data")

@@ -7,9 +7,11 @@ never half of it, even when the writer is killed mid-write.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -129,3 +131,18 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def flock_within(fd: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``timeout_s``: True once held, False
+    when another holder kept it that long. An ``OSError`` other than contention (a mount without
+    flock support) propagates: each caller decides whether to go on unlocked."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)

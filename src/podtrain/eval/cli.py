@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from podtrain.errors import UserError
-from podtrain.fsutil import atomic_write_text, writable_dir
+from podtrain.fsutil import atomic_write_text, flock_within, writable_dir
 
 log = logging.getLogger("podtrain")
 
@@ -199,19 +197,12 @@ def _locked(folder: Path) -> Iterator[None]:
     could then lose one's tasks."""
     fd = os.open(folder, os.O_RDONLY)
     try:
-        deadline = time.monotonic() + LOCK_DEADLINE_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    log.warning("eval: %s has been locked by another writer for %.0f s: writing unlocked",
-                                folder, LOCK_DEADLINE_S)
-                    break
-                time.sleep(0.05)
-            except OSError:
-                break
+        try:
+            if not flock_within(fd, LOCK_DEADLINE_S):
+                log.warning("eval: %s has been locked by another writer for %.0f s: writing unlocked",
+                            folder, LOCK_DEADLINE_S)
+        except OSError:  # no flock on this file system: atomic, unlocked
+            pass
         yield
     finally:
         os.close(fd)  # releases the lock

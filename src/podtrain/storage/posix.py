@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import logging
 import os
 import stat
-import time
 from pathlib import Path
 from typing import BinaryIO
 
-from podtrain.fsutil import file_mode, fsync_path, open_temp, publish_temp
+from podtrain.fsutil import file_mode, flock_within, fsync_path, open_temp, publish_temp
 from podtrain.storage.base import Entry, Store, Writer
 from podtrain.storage.buffers import byte_view, writable_view
 from podtrain.storage.errors import NotFound, StorageError, from_os_error
@@ -271,26 +269,19 @@ class PosixStore(Store):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            deadline = time.monotonic() + LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StorageError(self.where(name), f"its lock .{path.name}.lock was held for more "
-                                                             f"than {LOCK_WAIT_S:g} s") from None
-                    time.sleep(0.01)
-                except OSError as exc:
-                    if exc.errno not in _NO_LOCKS:
-                        raise
-                    # no lock on this mount: compare, then rename, as before the lock existed (two
-                    # writers landing within that instant are not told apart there)
-                    if not self._said_no_locks:
-                        self._said_no_locks = True
-                        log.warning("%s: the file system refuses flock (%s): control files are compared and "
-                                    "replaced without a lock (mount Lustre with -o flock)", self.url, exc.strerror)
-                    break
+            try:
+                if not flock_within(fd, LOCK_WAIT_S, poll_s=0.01):
+                    raise StorageError(self.where(name), f"its lock .{path.name}.lock was held for more "
+                                                         f"than {LOCK_WAIT_S:g} s")
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                # no lock on this mount: compare, then rename, as before the lock existed (two
+                # writers landing within that instant are not told apart there)
+                if not self._said_no_locks:
+                    self._said_no_locks = True
+                    log.warning("%s: the file system refuses flock (%s): control files are compared and "
+                                "replaced without a lock (mount Lustre with -o flock)", self.url, exc.strerror)
             yield path
         finally:
             os.close(fd)
