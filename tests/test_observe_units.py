@@ -242,3 +242,22 @@ def test_plot_tick_labels_of_a_long_run_do_not_overlap(tmp_path, tokens_per_step
             assert all(len(t.get_text()) <= 5 for t in labels), [t.get_text() for t in labels]
     finally:
         _pyplot().close(fig)
+
+
+def test_the_cpu_peak_is_measured_when_not_given():
+    """MFU's peak: the override when given; on a CPU in fp32, this process's one-thread matmul rate
+    measured (the best of many ~1 ms trials, so a second measurement agrees); none where the CPU has
+    no honest peak (bf16 is emulated: an MFU would mean nothing)."""
+    import torch
+
+    from podtrain.observe.hardware import measure_cpu_matmul_flops, peak_flops
+
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu, "fp32", 3.5e12) == 3.5e12
+    assert peak_flops(cpu, "bf16", None) is None
+    measured = peak_flops(cpu, "fp32", None)
+    again = measure_cpu_matmul_flops()
+    # One thread of any CPU this runs on does 1-1000 GFLOP/s in fp32; the two trials of one process
+    # agree to a factor the machine's other load cannot double.
+    assert 1e9 < measured < 1e12, measured
+    assert 0.5 < measured / again < 2.0, (measured, again)
