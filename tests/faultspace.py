@@ -63,7 +63,7 @@ JOB_DEADLINE_S = 60.0
 KILLED = 137
 VOCAB = 320
 STORE_CALLS = ("stat", "size", "exists", "read_into", "read_range", "read_bytes", "iter_chunks", "open_read",
-               "open_write", "write_bytes", "write_replayable", "list", "list_dirs", "delete", "delete_prefix",
+               "open_write", "write_bytes", "write_replayable", "list", "list_dirs", "delete", "delete_many", "delete_prefix",
                "read_versioned", "create_exclusive", "replace_if", "delete_if")
 """The ``Store`` methods counted as storage calls (those a store class has)."""
 

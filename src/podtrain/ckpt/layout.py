@@ -22,12 +22,20 @@ by rank 0 at the next start (and at once when the save fails). Checkpoints are c
 manifest object rather than a directory rename, so the same protocol works on object storage.
 Everything here runs on one process; the callers broadcast what it decides.
 
-Which step directories exist and which are committed is read from ONE listing (``scan``): on S3
-a paged LIST of ``step_`` shows every step directory's files, its manifest among them, with their
-sizes, so choosing a checkpoint, retention and the clean-up of unfinished saves send no request
-per step directory (a HEAD each, once) and the chosen checkpoint's files are checked from the
-same listing. On POSIX a stat is no request, and listing would stat every rank's file: there a
+At the start, which step directories exist and which are committed is read from ONE listing
+(``scan``): on S3 a paged LIST of ``step_`` shows every step directory's files, its manifest among
+them, with their sizes, so choosing a checkpoint and the clean-up of unfinished saves send no
+request per step directory (a HEAD each, once) and the chosen checkpoint's files are checked from
+the same listing. On POSIX a stat is no request, and listing would stat every rank's file: there a
 directory read and one stat per step directory stay.
+
+At a save, retention (``apply_retention``) does not list the files: one listing of the step
+directories alone (S3: ``Delimiter='/'``, their common prefixes; POSIX: one directory read), a
+manifest read (one GET) only for a directory the plan depends on and the writer has not seen
+yet (``Housekeeping.known``), and a deleted checkpoint costs its manifest's DELETE, one listing
+of its files and DeleteObjects batches of 1,000 keys (``Store.delete_prefix``). So rank 0's
+requests at a save do not grow with the world size nor with the checkpoints kept (until those
+pass 1,000: a LIST page per 1,000 step directories).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from typing import Any, Callable
 
 from podtrain.ckpt.store import NotFound, StorageError, open_store
 from podtrain.storage import Entry
-from podtrain.storage.errors import Transient
+from podtrain.storage.errors import NoSuchBucket, Transient
 from podtrain.errors import UserError
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -117,7 +125,7 @@ def scan(store) -> StepListing:
     ``step_`` (the manifests are visible in it: no HEAD per directory); on POSIX a directory read
     and a stat of each manifest (no request; listing would stat every rank's file)."""
     if store.is_local:
-        steps = _step_dirs(store)
+        steps = step_dirs(store)
         return StepListing(steps, [(s, n) for s, n in steps if store.exists(f"{n}/{MANIFEST}")])
     files: dict[str, list[Entry]] = {}
     for entry in store.list("step_"):
@@ -228,9 +236,11 @@ def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
     the manifest's listed size (S3: read with one GET, no HEAD)."""
     try:
         where = f"{name}/{MANIFEST}"
-        raw = store.read_bytes(where) if size is None else store.read_range(where, 0, size)
+        raw = _read_whole(store, where) if size is None else store.read_range(where, 0, size)
+    except NoSuchBucket:
+        raise
     except (FileNotFoundError, NotFound):
-        raise ValueError("no manifest.json (the save did not finish)") from None
+        raise ValueError(NO_MANIFEST) from None
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -251,6 +261,16 @@ def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
             raise UnsafeCheckpoint(f"checkpoint {store.url}/{name} lists {rel!r}: only .safetensors and "
                                    ".json files are accepted (podtrain never unpickles checkpoint files)")
     return manifest
+
+
+NO_MANIFEST = "no manifest.json (the save did not finish)"
+"""``read_manifest``'s reason for a step directory without a manifest (an unfinished save)."""
+
+
+def _read_whole(store, name: str) -> bytes:
+    """The whole of ``name`` in one request: on S3 one GET (``read_versioned``: no HEAD for its
+    size first, as ``read_bytes`` sends); on POSIX a read."""
+    return store.read_bytes(name) if store.is_local else store.read_versioned(name)[0]
 
 
 def size_problem(store, name: str, manifest: dict[str, Any], entries: list[Entry] | None = None) -> str | None:
@@ -336,10 +356,6 @@ def find_latest(store, exclude: set[str] = frozenset(), lineage: str | None = No
     return choice
 
 
-def _step_dirs(store) -> list[tuple[int, str]]:
-    return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
-
-
 class Housekeeping:
     """The one way checkpoint files are deleted. Best effort (the default: retention, the clean-up
     of unfinished saves, a failed save's leftovers): a storage that refuses a delete (a bucket with
@@ -350,6 +366,10 @@ class Housekeeping:
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
         self._said: set[tuple[str, str]] = set()
+        self.known: dict[tuple[str, str], tuple[bool, str | None]] = {}
+        """``(store url, step directory)`` -> ``(committed, lineage)`` of the step directories
+        retention has read or this writer committed: a later save reads none of them again (a
+        checkpoint only this job writes or deletes while it holds the run's lease)."""
 
     def attempt(self, store, what: str, fn: Callable[..., Any], *args) -> bool:
         """``fn(*args)``; False (and a warning the first time) when the storage refused it."""
@@ -372,6 +392,7 @@ class Housekeeping:
         file whose name starts with one of ``rest`` (``""``: all the rest), then the folder and its
         parents in ``name`` once empty (POSIX). The defaults remove a checkpoint. False when a file
         of ``first`` could not be deleted (it may still stand: nothing after it is tried)."""
+        self.known.pop((str(store.url), name), None)  # whatever is left of it is read again
         for rel in first:
             if not self.attempt(store, f"delete {name}/{rel}", store.delete, f"{name}/{rel}"):
                 return False
@@ -423,16 +444,26 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int, lineag
     (None: all): delete, or move to ``abandoned/``
     (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
     through the client would move every byte through this node; a bucket with versioning keeps
-    them recoverable). One ``scan`` (``listing``, else made here); a checkpoint's lineage is read
-    (its manifest: one GET on S3) only where the plan depends on it. Every delete is best effort
-    (``tidy``, ``Housekeeping``): a refused one is a warning, and ``current`` is never touched."""
+    them recoverable). The step directories come from one listing of them alone (``step_dirs``:
+    not their files), or ``listing`` when the caller has a ``scan``; whether one is committed and
+    whose it is (its manifest: one GET) is read only where the plan depends on it and only once
+    per ``tidy`` (``Housekeeping.known``): at a save that is no read at all once the writer has
+    seen its window. Every delete is best effort (``tidy``, ``Housekeeping``): a refused one is
+    a warning, and ``current`` is never touched."""
     tidy = tidy if tidy is not None else Housekeeping()
-    listing = listing if listing is not None else scan(store)
-    complete = [s for s, _ in listing.committed]
-    # another run's checkpoints (those from before lineages count as this run's) are never touched
-    mine = None if lineage is None else (
-        lambda step: _lineage_of(store, step_name(step), listing) in (None, lineage))
-    delete, abandon = retention_plan(complete, current, keep_last, keep_every, mine)
+    if listing is None:
+        steps = [s for s, _ in step_dirs(store)]
+    else:
+        steps = [s for s, _ in listing.committed]
+    tidy.known[(str(store.url), step_name(current))] = (True, lineage)  # committed just now, by this run
+
+    def mine(step: int) -> bool:
+        committed, whose = _whose(store, step_name(step), tidy, listing)
+        # an unfinished save is nobody's checkpoint (removed at the next start); another run's
+        # checkpoints (those from before lineages count as this run's) are never touched
+        return committed and (lineage is None or whose in (None, lineage))
+
+    delete, abandon = retention_plan(steps, current, keep_last, keep_every, mine)
     for step in abandon:
         src = store.local_path(step_name(step))
         if src is None:
@@ -443,10 +474,34 @@ def apply_retention(store, current: int, keep_last: int, keep_every: int, lineag
         dst = src.parent / ABANDONED / f"{src.name}-{uuid.uuid4().hex[:6]}"
         log.warning("moving %s (newer than this run's step %d, from an earlier timeline) to %s",
                     src, current, dst)
+        tidy.known.pop((str(store.url), step_name(step)), None)
         tidy.attempt(store, f"move {src.name} aside", lambda: (dst.parent.mkdir(exist_ok=True), os.rename(src, dst)))
     for step in delete:
         if step != current:  # retention_plan never names it: kept explicit, the newest is never deleted here
             tidy.remove(store, step_name(step))
+
+
+def step_dirs(store) -> list[tuple[int, str]]:
+    """``(step, directory name)`` of every step directory, oldest first, from one listing of the
+    directories alone (S3: a LIST with ``Delimiter='/'``, a page per 1,000 directories; POSIX: one
+    directory read): committed or not, without a request per directory or per file."""
+    return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
+
+
+def _whose(store, name: str, tidy: Housekeeping, listing: StepListing | None = None) -> tuple[bool, str | None]:
+    """``(committed, lineage)`` of step directory ``name``: ``tidy.known``'s, else read from its
+    manifest (one GET; the listed size when ``listing`` has it) and remembered there. A damaged
+    manifest counts as a committed checkpoint of no known lineage (as a ``scan`` lists it); a
+    storage outage is raised (retention waits for the next save)."""
+    key = (str(store.url), name)
+    if key not in tidy.known:
+        size = listing.size(name, MANIFEST) if listing is not None and listing.files is not None else None
+        try:
+            answer = (True, checkpoint_lineage(store, name, read_manifest(store, name, size)))
+        except ValueError as exc:
+            answer = (str(exc) != NO_MANIFEST, None)
+        tidy.known[key] = answer
+    return tidy.known[key]
 
 
 def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None:
@@ -463,14 +518,6 @@ def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None
     except (ValueError, AttributeError, NotFound, StorageError, OSError):
         return None
     return str(run_id) if isinstance(run_id, str) and run_id else None
-
-
-def _lineage_of(store, name: str, listing: StepListing | None = None) -> str | None:
-    size = listing.size(name, MANIFEST) if listing is not None and listing.files is not None else None
-    try:
-        return checkpoint_lineage(store, name, read_manifest(store, name, size))
-    except ValueError:
-        return None
 
 
 def write_latest(store, name: str) -> None:

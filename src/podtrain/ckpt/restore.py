@@ -207,7 +207,11 @@ class Restorer:
         world = self.ctx.world_size
         held, holding = agreed(self.ctx, self.local.url, lambda: (
             local_tier.held_steps(self.local, self.ctx.rank, world), replicas.holdings(self.local, world)))
-        plan = replicas.plan_sources(self.ctx.all_gather_object(holding), world)
+        # rank 0 alone receives every rank's holdings (small: steps kept x owners on the node) and
+        # plans; the plan every rank needs names one holder per rank: O(world) bytes per rank once
+        # per start (~10 bytes a rank), where all-gathering the holdings was world x holdings
+        reports = self.ctx.gather_object(holding)
+        plan = rank0_decides(self.ctx, lambda: replicas.plan_sources(reports, world))
         if plan is None:
             if self.ctx.is_main and any(layout.parse_step(n) is not None for n in self.local.list_dirs("")):
                 log.info("no local checkpoint is held whole by the ranks for %d rank(s) (own pieces or peer "
@@ -223,12 +227,12 @@ class Restorer:
                 replicas.repair(self.local, step, save_id, source, self.ctx.rank, None)
             except (StorageError, OSError, CorruptCheckpoint) as exc:  # agreed below: all fall back together
                 problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
-            problems = [p for p in self.ctx.all_gather_object(problem) if p]
+            problems = [p for p in reports_if_any(self.ctx, problem) if p]
             if problems:
                 log.warning("local step %d could not be used (%s): resuming from the durable tier", step, problems[0])
                 return None, False
         held = local_tier.held_steps(self.local, self.ctx.rank, world)
-        common = local_tier.newest_common(self.ctx.all_gather_object(held))  # (step, save id) every rank holds
+        common = newest_held_by_all(self.ctx, held)  # (step, save id) every rank holds
         if common is None:
             return None, False
         step, save_id = common
@@ -258,8 +262,9 @@ class Restorer:
             got = replicas.repair(self.local, step, save_id, source, self.ctx.rank, self.local_group)
         except Exception as exc:  # agreed below: every rank falls back together
             problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
-        reports = self.ctx.all_gather_object((problem, got))
-        problems = [p for p, _ in reports if p]
+        failed, total = (int(v) for v in self.ctx.all_reduce_sum(
+            torch.tensor([problem is not None, got], dtype=torch.int64, device=self.ctx.device)).tolist())
+        problems = [p for p in self.ctx.all_gather_object(problem) if p] if failed else []
         if problems:
             log.warning("local step %d could not be gathered from the peers (%s): resuming from the durable "
                         "tier", step, problems[0])
@@ -270,7 +275,7 @@ class Restorer:
             log.info("local step %d: the pieces of rank(s) %s came from peers (%s; %.1f MB in %.2f s); "
                      "0 bytes from the durable tier", step, ", ".join(map(str, moved)),
                      ", ".join(f"rank {o} from rank {source[o]}" for o in moved),
-                     sum(g for _, g in reports) / 1e6, time.perf_counter() - t0)
+                     total / 1e6, time.perf_counter() - t0)
         return True
 
     def _local_choice(self, step: int, save_id: str | None) -> dict | None:
@@ -312,8 +317,7 @@ class Restorer:
             self.last.bytes_read = read(plan, store, name, self.ctx.rank, self.pool)
         except Exception as exc:  # every failure is agreed below: no rank may wait for one that raised
             problem = (_read_failure_kind(exc), f"{type(exc).__name__}: {exc}")
-        reports = self.ctx.all_gather_object(problem)
-        bad = [(r, p) for r, p in enumerate(reports) if p]
+        bad = [(r, p) for r, p in enumerate(reports_if_any(self.ctx, problem)) if p]
         fatal = next(((r, p) for r, p in bad if p[0] != "corrupt"), None)
         if fatal is not None:  # not the checkpoint's bytes: falling back would not help
             rank, (kind, why) = fatal
@@ -416,6 +420,35 @@ def rank0_decides(ctx, fn: Callable[[], Any]) -> Any:
     return value
 
 
+def any_rank(ctx, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (every rank calls): one all_reduce MAX of one number,
+    8 bytes per rank whatever the world size. The agreements of a restore ask this first and
+    gather every rank's report (O(world) per rank) only when some rank has one to give."""
+    return bool(ctx.all_reduce_max([float(flag)])[0])
+
+
+def reports_if_any(ctx, report: Any) -> list[Any]:
+    """Every rank's ``report`` in rank order when some rank's is not None, else [] (every rank
+    calls; ``any_rank`` first, so the usual case moves one number per rank)."""
+    return ctx.all_gather_object(report) if any_rank(ctx, report is not None) else []
+
+
+def newest_held_by_all(ctx, held: list) -> Any:
+    """``local_tier.newest_common`` of every rank's ``held`` (every rank calls), without gathering
+    them: rank 0's list is broadcast (its local steps: bounded by ``ckpt.local_keep`` and the
+    replicas it keeps, not by the world size), each rank marks those it lacks, and one all_reduce
+    MAX of the marks leaves the items every rank holds: O(local_keep) bytes per rank."""
+    if not ctx.initialized:
+        return local_tier.newest_common([held])
+    ref = ctx.broadcast_object(sorted(set(held), key=repr) if ctx.is_main else None)
+    if not ref:
+        return None
+    mine = set(held)
+    lacking = ctx.all_reduce_max([0.0 if item in mine else 1.0 for item in ref])
+    common = [item for item, lack in zip(ref, lacking) if not lack]
+    return max(common) if common else None
+
+
 def agreed(ctx, where: str, fn: Callable[[], Any]) -> Any:
     """``fn()`` on every rank, then agreement: all go on, or all raise (naming the rank that failed)."""
     failure, result = None, None
@@ -423,7 +456,8 @@ def agreed(ctx, where: str, fn: Callable[[], Any]) -> Any:
         result = fn()
     except Exception as exc:  # agreed below, so no rank waits on one that failed
         failure = exc
-    ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
+    if any_rank(ctx, failure is not None):  # one number per rank; the reports only when one failed
+        ctx.agree(failure)  # ranks that loaded fine raise, naming the rank that did not
     if isinstance(failure, Transient):
         raise failure  # retryable: exit 203, not 2
     if isinstance(failure, UserError):

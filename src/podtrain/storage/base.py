@@ -214,9 +214,16 @@ class Store(abc.ABC):
     def delete(self, name: str) -> None:
         """Remove ``name``; a missing file is not an error."""
 
+    def delete_many(self, names: list[str]) -> None:
+        """Remove every file of ``names`` (missing ones are not an error). S3: in batches of up to
+        1,000 keys per request (DeleteObjects); here, one ``delete`` each (POSIX: an unlink each)."""
+        for name in names:
+            self.delete(name)
+
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
-        """Remove every file whose name starts with ``prefix`` (which must not be empty)."""
+        """Remove every file whose name starts with ``prefix`` (which must not be empty): one
+        listing of ``prefix`` and its files deleted as ``delete_many`` does (S3: in batches)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

@@ -17,7 +17,6 @@ appear in it.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from podtrain.storage import s3_client, s3_config
@@ -28,9 +27,13 @@ from podtrain.storage.retry import RetryPolicy
 from podtrain.storage.s3_config import parse_s3_url
 
 T = TypeVar("T")
-DELETE_THREADS = 16
+DELETE_BATCH_KEYS = 1000
+"""Keys per DeleteObjects request (S3's maximum): deleting a checkpoint of N ranks takes
+ceil((2N + 5) / 1000) requests, not one DELETE per object."""
 LIST_PAGE_KEYS = 1000
 """Keys per ListObjectsV2 page (S3's maximum); each page is retried on its own."""
+SINGLE_PUT_BYTES = 8 << 20
+"""``write_bytes`` of at most this many bytes is one PutObject (one request), larger a multipart upload."""
 
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
@@ -350,9 +353,34 @@ class S3Store(Store):
             raise StorageError(url, f"short read: wanted {len(view)} bytes at offset {offset}, "
                                     f"the object ends after {offset + got}")
 
+    def read_bytes(self, name: str) -> bytes:
+        """The whole of ``name`` in one GET, without a HEAD for its size first (a restore reads a
+        checkpoint's manifest, state and sidecars one after another: half the round trips); a
+        transient failure reads it again whole."""
+        key, url = self.loc.key(self.check_name(name)), self.where(name)
+        try:
+            return self.call(url, lambda: b"".join(self.client._client.get_object(self.loc.bucket, key)))
+        except NotFound as err:
+            raise self._not_found(name, err) from None
+
     def open_write(self, name: str) -> S3ObjectWriter:
         """A writer streaming into a multipart upload of ``name``."""
         return S3ObjectWriter(self, self.check_name(name))
+
+    def write_bytes(self, name: str, data) -> None:
+        """Write ``data`` to ``name`` atomically. Up to ``SINGLE_PUT_BYTES``, once the clients'
+        botocore client is made (a training run's lease made it): one PutObject, which S3 makes
+        visible whole or not at all as it does a completed multipart upload, in one request instead
+        of three (create, part, complete), each a round trip a save waits for in turn: a
+        checkpoint's sidecars, small state, config, manifest and ``latest``. Otherwise a multipart
+        upload through the CRT (``Store.write_bytes``: no botocore client made for one small
+        write). Either is sent again whole after a transient failure."""
+        view = byte_view(data)
+        if len(view) > SINGLE_PUT_BYTES or not self.clients.has_control():
+            return super().write_bytes(name, view)
+        key, url, body = self.loc.key(self.check_name(name)), self.where(name), bytes(view)
+        self.retry.run(url, lambda: self.clients.control(url).put_object(Bucket=self.loc.bucket, Key=key, Body=body),
+                       lambda exc: classify_botocore(url, exc))
 
     def _pages(self, key_prefix: str, delimiter: str) -> list:
         """All pages of a listing, each page retried on its own (from its continuation token)."""
@@ -382,10 +410,35 @@ class S3Store(Store):
         key = self.loc.key(self.check_name(name))
         self.call(self.where(name), lambda: self.client.delete_object(self.loc.bucket, key))
 
+    def delete_many(self, names: list[str]) -> None:
+        """Delete ``names`` with DeleteObjects, ``DELETE_BATCH_KEYS`` keys per request (missing
+        keys are not an error), through the botocore client (the CRT client has no batch delete).
+        Each batch is retried on its own, only its keys S3 could not delete yet; a key S3 refused
+        (AccessDenied under object lock or without ``s3:DeleteObject``) is raised as one line."""
+        for start in range(0, len(names), DELETE_BATCH_KEYS):
+            self._delete_batch([self.check_name(n) for n in names[start:start + DELETE_BATCH_KEYS]])
+
+    def _delete_batch(self, batch: list[str]) -> None:
+        url, left = self.where(batch[0]), {self.loc.key(n): n for n in batch}
+
+        def once() -> None:
+            answer = self.clients.control(url).delete_objects(Bucket=self.loc.bucket, Delete={
+                "Objects": [{"Key": key} for key in left], "Quiet": True})
+            failed = {e.get("Key"): e for e in answer.get("Errors") or ()}
+            for key in [k for k in left if k not in failed]:
+                del left[key]
+            if failed:  # the first refusal, classified like a single request's (transient: again)
+                key, error = next(iter(failed.items()))
+                code, text = str(error.get("Code", "")), str(error.get("Message", ""))
+                raise _classified(self.where(left.get(key, key)), code, 0, "", f"{code} {text}".lower(),
+                                  f"{code}: {text or 'S3 refused the delete'}"
+                                  + (f" (and {len(failed) - 1} more key(s))" if len(failed) > 1 else ""))
+
+        self.retry.run(url, once, lambda exc: classify_botocore(url, exc))
+
     def delete_prefix(self, prefix: str) -> None:
-        """Delete every object whose name starts with ``prefix``, several requests at once."""
+        """Delete every object whose name starts with ``prefix``: its listing (a page per 1,000
+        keys), then DeleteObjects batches (``delete_many``)."""
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix (it would empty the whole store)")
-        names = [e.name for e in self.list(prefix)]
-        with ThreadPoolExecutor(min(DELETE_THREADS, max(1, len(names)))) as pool:
-            list(pool.map(self.delete, names))
+        self.delete_many([e.name for e in self.list(prefix)])

@@ -114,6 +114,13 @@ class S3Clients:
                 client = self._clients[key] = S3Client(region, endpoint=endpoint, s3client_config=config)
             return client
 
+    def has_control(self) -> bool:
+        """Whether the botocore client ``control`` would return is made already (a run's lease and
+        owner file make it at the start; making one costs ~0.5 s: botocore's import and model)."""
+        key = (s3_config.endpoint_url(), s3_config.region(), s3_config.profile())
+        with self._lock:
+            return key in self._control
+
     def control(self, url: str):
         """The botocore S3 client for control files (conditional requests) at the endpoint, region
         and profile the environment names now, as ``client`` chooses them (a custom endpoint

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
@@ -32,22 +33,40 @@ def check_all_parameters_used(model: torch.nn.Module, seq_len: int, device: torc
                         "(slower) or freeze them (requires_grad=False)")
 
 
+def ranks_differing(ctx: DistContext, fingerprint: torch.Tensor, caller: str) -> list[tuple[int, str]]:
+    """``(rank, host)`` of the ranks whose ``fingerprint`` differs from rank 0's (all ranks call
+    this; the same list on every rank). Rank 0's is broadcast and each rank compares its own, then
+    one all_reduce MAX of a flag says whether any differs: the bytes each rank receives are the
+    fingerprint's and 8 more, whatever the world size (gathering every rank's fingerprint was the
+    world size times that). Only when some rank differs are the (flag, host) pairs gathered, to
+    name them."""
+    mine = fingerprint.detach().to(ctx.device, torch.float64).contiguous()
+    rank0 = mine.clone()
+    with ctx.recorder.begin("broadcast", rank0, caller=caller):
+        dist.broadcast(rank0, src=0)
+    differs = not torch.equal(mine.cpu(), rank0.cpu())
+    if not ctx.all_reduce_max([float(differs)])[0]:
+        return []
+    return [(r, host) for r, (d, host) in enumerate(ctx.all_gather_object((differs, ctx.env.hostname))) if d]
+
+
 def check_replicas(model: torch.nn.Module, ctx: DistContext, before_ddp: bool) -> None:
-    """Every rank must hold the same weights: compare per-parameter sums across ranks (all
-    ranks call this). Before DDP's broadcast a difference is only a warning; after it and the
-    checkpoint restore (every rank reads the checkpoint itself), an error naming the ranks.
-    FSDP/HSDP shards differ by design: nothing to compare (their wrap broadcasts rank 0's weights
-    before sharding, and every rank reads its shards from the same checkpoint)."""
+    """Every rank must hold the same weights: compare per-parameter sums with rank 0's
+    (``ranks_differing``: a broadcast and a one-number all_reduce; all ranks call this). Before
+    DDP's broadcast a difference is only a warning; after it and the checkpoint restore (every
+    rank reads the checkpoint itself), an error naming the ranks. FSDP/HSDP shards differ by
+    design: nothing to compare (their wrap broadcasts rank 0's weights before sharding, and every
+    rank reads its shards from the same checkpoint)."""
     if not ctx.initialized or is_sharded(model):
         return
-    gathered = ctx.all_gather_object((parameter_fingerprint(model).cpu(), ctx.env.hostname))
-    differ = [r for r, (f, _) in enumerate(gathered) if not torch.equal(f, gathered[0][0])]
+    differ = ranks_differing(ctx, parameter_fingerprint(model), "check_replicas")
     if not differ:
         return
     if before_ddp:
-        log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's", differ)
+        log.warning("ranks %s initialised different weights from rank 0; DDP broadcasts rank 0's",
+                    [r for r, _ in differ])
     else:
-        where = ", ".join(f"rank {r} on {gathered[r][1]}" for r in differ)
+        where = ", ".join(f"rank {r} on {host}" for r, host in differ)
         raise RuntimeError(f"replicas differ from rank 0's after DDP's broadcast and the checkpoint "
                            f"restore: {where}")
 
@@ -81,8 +100,7 @@ def buffers_need_forward_sync(model: torch.nn.Module, ctx: DistContext, seq_len:
     changed = buffers_changed_by_forward(model, seq_len, ctx.device)
     with torch.no_grad():
         mine = torch.stack([b.detach().double().sum() for b in buffers]).cpu()
-    fingerprints = ctx.all_gather_object(mine)
-    differ = [r for r, f in enumerate(fingerprints) if not torch.equal(f, fingerprints[0])]
+    differ = [r for r, _ in ranks_differing(ctx, mine, "buffers_need_forward_sync")]
     if changed or differ:
         log.info("DDP broadcasts buffers before every forward: %s", "; ".join(filter(None, [
             f"a forward changes {', '.join(changed[:3])}" if changed else "",

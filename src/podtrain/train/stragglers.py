@@ -16,6 +16,13 @@ floats: no collective, no host sync.
 all_gather (3 floats per rank) and returns a dict for metrics.jsonl; rank 0 logs a WARNING
 naming the rank and host when the slowest rank's busy time exceeds the median by more than
 ``threshold``.
+
+What grows with the world size, and why it stays: the report is the per-rank table (its median
+names the straggler, and metrics.jsonl keeps the per-rank means), so each rank receives
+``24 x world`` bytes per report: 12 KB at 512 ranks, every ``every`` (default 100) steps, about
+0.1 KB per step (tests/test_collective_bytes.py measures it at 2, 4 and 8 ranks). The host
+names are not gathered: the straggler's own rank broadcasts its host when one is found (one
+name, not one per rank).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ def find_straggler(busy_by_rank: list[float], threshold: float) -> tuple[int | N
 class StragglerMonitor:
     """Per-rank step and data-wait times, compared across ranks every ``every`` steps.
 
-    Construct it on every rank (the constructor gathers the host names: one collective).
+    Construct it on every rank (no collective: a straggler's host is asked when one is found).
     ``clock`` (a ``distributed.timing`` step clock) supplies step and sync-wait times; without
     one, ``observe`` does.
     """
@@ -60,7 +67,7 @@ class StragglerMonitor:
         self.every = every
         self.threshold = threshold
         self.clock = clock
-        self.hosts: list[str] = ctx.all_gather_object(ctx.env.hostname)
+        self._hosts: dict[int, str] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -110,7 +117,7 @@ class StragglerMonitor:
         rank, excess = find_straggler(busy, self.threshold)
         report = {
             "straggler_rank": rank,
-            "straggler_host": self.hosts[rank] if rank is not None else None,
+            "straggler_host": self.host(rank) if rank is not None else None,
             "straggler_excess": round(excess, 4),
             "step_time_by_rank": _round(step_t), "data_wait_by_rank": _round(data_w),
             "sync_wait_by_rank": _round(sync_w), "busy_by_rank": _round(busy),
@@ -118,6 +125,14 @@ class StragglerMonitor:
         if rank is not None and self.ctx.is_main:
             self._warn(step, rank, excess, busy, data_w)
         return report
+
+    def host(self, rank: int) -> str:
+        """The host of ``rank``, broadcast by that rank the first time it is asked (every rank
+        asks together: ``maybe_report`` finds the same straggler on every rank)."""
+        if rank not in self._hosts:
+            mine = self.ctx.env.hostname if self.ctx.rank == rank else None
+            self._hosts[rank] = self.ctx.broadcast_object(mine, src=rank) if self.ctx.initialized else mine
+        return self._hosts[rank]
 
     def _gather(self, mine: list[float]) -> list[list[float]]:
         if not self.ctx.initialized:
@@ -138,7 +153,7 @@ class StragglerMonitor:
         log.warning(
             "straggler at step %d: rank %d on host %s takes %.3f s per step against a median "
             "of %.3f s (+%.0f%%), data wait %.3f s against %.3f s: likely %s",
-            step, rank, self.hosts[rank], busy[rank], med_busy, 100 * excess,
+            step, rank, self.host(rank), busy[rank], med_busy, 100 * excess,
             data_wait[rank], med_wait, cause)
 
 
