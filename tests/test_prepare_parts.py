@@ -187,7 +187,7 @@ def test_s3_inputs_and_outputs_one_shot_and_in_parts(s3_bucket, tmp_path, monkey
         assert len(got) > 1000 and got == s3_stream(f"s3://{s3_bucket}/one", split)
     shards = [s["file"] for split in one.manifest["splits"].values() for s in split["shards"]]
     names = {e.name for e in open_store(f"s3://{s3_bucket}/one").list()}
-    assert names == {"manifest.json", "tokenizer/tokenizer.json", *shards}  # nothing else, nothing temporary
+    assert names == {"manifest.json", "token_counts.json", "tokenizer/tokenizer.json", *shards}  # nothing else
     # Every document of every reader: 61 text files, 40 JSONL lines, 60 Parquet rows.
     assert sum(s["documents"] for s in one.manifest["splits"].values()) == 61 + 40 + 60
     assert not list((tmp_path / "staging").iterdir())  # staging removed after each upload

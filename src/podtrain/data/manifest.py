@@ -20,8 +20,14 @@ The manifest (JSON)::
      "val_fraction": float, "sources": [{"input": str, "files": int, "bytes": int}, ...],
      "errors": {"policy": "strict"|"replace"|"skip", "replaced": int, "skipped": int},
      "text_field": str, "shard_tokens": int,
-     "recipe": {"inputs": [str], "tokenizer": str, "options": {...}}}   (what a later prepare into the
+     "recipe": {"inputs": [str], "tokenizer": str, "options": {...}},  (what a later prepare into the
                                             same folder is compared with: data/prepare/replace.py)
+     "token_counts": "token_counts.json"}   (absent in data prepared before podtrain counted tokens)
+
+``DATA_DIR/token_counts.json`` (written before the manifest) holds how often each id occurs in each
+split, counted by ``prepare`` as it writes the shards (``{"format": "podtrain-token-counts/1",
+"vocab_size": V, "splits": {"train": [count of id 0, ..., count of id V-1], ...}}``): O(vocabulary),
+so the closing line's unigram entropy reads no token (``Manifest.token_counts``).
 
 A document may continue from one shard into the next (shards have a fixed token count); a split
 is the concatenation of its shards in order. ``documents`` counts the EOS ids in a shard.
@@ -50,6 +56,8 @@ from podtrain.fsutil import sha256_file
 from podtrain.storage import NoSuchBucket, NotFound, Store, is_s3_url, open_store
 
 MANIFEST_NAME = "manifest.json"
+COUNTS_NAME = "token_counts.json"
+COUNTS_FORMAT = "podtrain-token-counts/1"
 FORMAT = "podtrain-shards/1"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DIGEST_CHARS = 12  # of a tokenizer's SHA-256 in its identity (48 bits: no collision among anyone's tokenizers)
@@ -150,6 +158,22 @@ class Manifest:
             budget -= len(tokens)
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
+    def token_counts(self, split: str) -> np.ndarray:
+        """How often each token id occurs in ``split`` (int64, one entry per id of the vocabulary),
+        as ``prepare`` counted it: one small file read, no shard. ``NoTokenCounts`` (its message
+        says why, in a few words) when the data has none (prepared before podtrain counted) or
+        they do not add up to the split's tokens."""
+        name = self.raw.get("token_counts")
+        if not name:
+            raise NoTokenCounts(f"{self.root} was prepared before podtrain counted tokens")
+        try:
+            counted = decode_token_counts(self.read_file(name))[split]
+        except (UserError, KeyError, ValueError, TypeError):
+            raise NoTokenCounts(f"{self.root / name} is missing or unreadable") from None
+        if int(counted.sum()) != int(self.raw["splits"][split]["tokens"]):
+            raise NoTokenCounts(f"{self.root / name} does not match the manifest's {split} split")
+        return counted
+
     def read_file(self, name: str) -> bytes:
         """A file of the data directory (a tokenizer file); a missing one is a one-line error."""
         try:
@@ -161,6 +185,47 @@ class Manifest:
             raise
         except NotFound:
             raise UserError(f"{self.root / name} is missing (tokenizer of {self.root})") from None
+
+
+class NoTokenCounts(Exception):
+    """The data directory has no usable token counts (``Manifest.token_counts``); the message says why."""
+
+
+def add_token_counts(total: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """``total`` (int64 counts by id) plus the ids in ``tokens``, grown to the largest id seen."""
+    counts = np.bincount(tokens)
+    if len(counts) > len(total):
+        total = np.concatenate([total, np.zeros(len(counts) - len(total), dtype=np.int64)])
+    total[:len(counts)] += counts
+    return total
+
+
+def sum_token_counts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two count arrays (by id) added, the shorter padded with zeros."""
+    if len(a) < len(b):
+        a, b = b, a
+    out = a.astype(np.int64, copy=True)
+    out[:len(b)] += b
+    return out
+
+
+def encode_token_counts(by_split: dict[str, np.ndarray], vocab_size: int) -> bytes:
+    """The ``token_counts.json`` of a data directory: each split's counts, one per id up to the vocabulary."""
+    splits = {}
+    for split, counts in by_split.items():
+        dense = np.zeros(max(vocab_size, len(counts)), dtype=np.int64)
+        dense[:len(counts)] = counts
+        splits[split] = dense.tolist()
+    return json.dumps({"format": COUNTS_FORMAT, "vocab_size": vocab_size, "splits": splits},
+                      separators=(",", ":")).encode("utf-8")
+
+
+def decode_token_counts(blob: bytes) -> dict[str, np.ndarray]:
+    """``{split: int64 counts by id}`` of a ``token_counts.json``; ValueError when it is not one."""
+    raw = json.loads(blob)
+    if not isinstance(raw, dict) or raw.get("format") != COUNTS_FORMAT:
+        raise ValueError(f"not {COUNTS_FORMAT}")
+    return {split: np.asarray(counts, dtype=np.int64) for split, counts in raw["splits"].items()}
 
 
 class TokenizerIdentity(str):
@@ -275,14 +340,16 @@ def verify_shards(manifest: Manifest, splits: list[str] | None = None,
                   part: tuple[int, int] = (0, 1)) -> None:
     """Check shards' sizes and SHA-256 against the manifest (all splits unless ``splits``).
 
-    ``part=(i, n)`` checks every n-th shard starting at the i-th, so n ranks can share the read.
-    A missing, truncated or altered shard is a one-line user error naming the shard.
+    ``part=(i, n)`` checks every n-th shard starting at the i-th, so n ranks share the work: a rank
+    stats and reads only its own part (n ranks check every shard once between them, and what one
+    rank does shrinks as n grows). A missing, truncated or altered shard is a one-line user error
+    naming the shard.
     """
     index, count = part
     shards = [s for split in (splits if splits is not None else manifest.splits())
-              for s in manifest.shards(split)]
+              for s in manifest.shards(split)][index::count]
     sizes = shard_sizes(manifest, shards)
-    for shard in shards[index::count]:
+    for shard in shards:
         expected = shard.tokens * manifest.dtype.itemsize
         size = sizes.get(shard.name)
         if size is None:

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from podtrain.data.manifest import Manifest, NoTokenCounts
 from podtrain.errors import UserError
 
 # The blend's period is the sum of the integer weights; weights needing a longer one are rounded
@@ -249,3 +250,30 @@ def ledger_line(entries: dict[str, dict[str, int]]) -> str:
     total = sum(e["tokens"] for e in entries.values()) or 1
     return "tokens by source: " + ", ".join(
         f"{n} {e['tokens']:,} ({100 * e['tokens'] / total:.1f}%)" for n, e in entries.items())
+
+
+def mixed_entropy(counts: Sequence[np.ndarray], weights: Sequence[float], vocab_size: int) -> float:
+    """Entropy in nats of a blend of unigram distributions: source ``i``'s token counts by id
+    (``counts[i]``, ids from ``vocab_size`` on ignored), normalised, weighted by its share of the
+    blend (the weights are shares of samples, all ``data.seq_len`` long, so shares of tokens too)."""
+    total = float(sum(weights))
+    blend = np.zeros(vocab_size, dtype=np.float64)
+    for c, weight in zip(counts, weights):
+        c = np.asarray(c)[:vocab_size]
+        blend[:len(c)] += (weight / total) * c / max(1, c.sum())
+    p = blend[blend > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def entropy_clause(manifests: Sequence[Manifest], weights: Sequence[float], split: str = "train") -> str:
+    """The closing line's reference loss: the unigram entropy of the run's data (a ``data.mix``:
+    of the blend, by weight) from the token counts ``prepare`` kept (``Manifest.token_counts``),
+    so it reads no shard; data prepared before podtrain counted tokens gets a note saying how to
+    get the figure instead (reading the corpus at the end of every run is what the counts avoid)."""
+    try:
+        counts = [m.token_counts(split) for m in manifests]
+    except NoTokenCounts as exc:
+        return f"n/a ({exc}; run its `podtrain prepare` command again to count them)"
+    entropy = mixed_entropy(counts, weights, max(m.vocab_size for m in manifests))
+    return f"{entropy:.4f} nats (a model that ignored context would sit there)"
+

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from podtrain.data.manifest import MANIFEST_NAME
+from podtrain.data.manifest import COUNTS_NAME, MANIFEST_NAME, decode_token_counts, encode_token_counts, \
+    sum_token_counts
 from podtrain.data.prepare.parts import PART_RE, part_name
 from podtrain.data.prepare.output import lock_dir
 from podtrain.data.prepare.pipeline import PrepareOptions, check_not_empty, skipped_note
@@ -124,6 +125,24 @@ def merged_manifest(store: Store, manifests: list[dict[str, Any]]) -> dict[str, 
     return merged
 
 
+def merged_counts(store: Store, manifests: list[dict[str, Any]]) -> bytes | None:
+    """The parts' token counts summed split by split (``token_counts.json`` of the whole), or
+    None when a part has none (made before podtrain counted tokens)."""
+    total: dict[str, np.ndarray] = {}
+    for i, m in enumerate(manifests):
+        if not m.get("token_counts"):
+            return None
+        name = f"{PARTS_DIR}/{part_name(i, len(manifests))}/{m['token_counts']}"
+        try:
+            counts = decode_token_counts(store.read_bytes(name))
+        except (NotFound, ValueError, KeyError, TypeError):
+            raise UserError(f"part {i} of {len(manifests)}: {store.where(name)} is missing or unreadable; "
+                            f"run part {i} again") from None
+        for split, c in counts.items():
+            total[split] = sum_token_counts(total.get(split, np.zeros(0, dtype=np.int64)), c)
+    return encode_token_counts(total, int(manifests[0]["tokenizer"]["vocab_size"]))
+
+
 @sharing_s3_clients
 def merge(out: str | Path) -> dict[str, Any]:
     """Write ``out/manifest.json`` for the parts under ``out/parts`` (a folder or ``s3://``
@@ -148,6 +167,12 @@ def merge(out: str | Path) -> dict[str, Any]:
         for stale in store.list():  # a one-shot run's shards, made stale by the parts
             if SHARD_RE.match(stale.name):
                 store.delete(stale.name)
+        counts = merged_counts(store, manifests)
+        if counts is None:  # a part prepared before podtrain counted tokens
+            merged.pop("token_counts", None)
+        else:
+            store.write_bytes(COUNTS_NAME, counts)
+            merged["token_counts"] = COUNTS_NAME
         store.write_bytes(MANIFEST_NAME, (json.dumps(merged, indent=1) + "\n").encode("utf-8"))
     finally:
         if lock is not None:

@@ -53,7 +53,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from podtrain.data import tokenizer as tokmod
-from podtrain.data.manifest import MANIFEST_NAME
+from podtrain.data.manifest import COUNTS_NAME, MANIFEST_NAME, encode_token_counts
 from podtrain.data.prepare import builtin as builtin_corpus
 from podtrain.data.prepare import parts, replace, reuse
 from podtrain.data.prepare.encode import Counts, EncodeSpec, make_runner, train_texts
@@ -66,7 +66,7 @@ from podtrain.data.prepare.shards import (ShardWriter, SplitResume, WriterThread
                                           up_to_date_manifest, write_run_state)
 from podtrain.data.prepare.sources import Source, is_s3, resolve_corpus
 from podtrain.errors import UserError
-from podtrain.fsutil import atomic_write_text
+from podtrain.fsutil import atomic_write_bytes, atomic_write_text
 from podtrain.storage.s3_client import sharing_s3_clients
 
 DEFAULT_VAL_FRACTION = 0.03
@@ -373,7 +373,7 @@ def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareR
         for split in splits:
             r = resumes[split]
             writers[split] = ShardWriter(out, split, np.dtype(dtype), opts.shard_tokens, key,
-                                         r.done, r.task, r.skip, r.complete)
+                                         r.done, r.task, r.skip, r.complete, counts=r.counts)
         result.shards_skipped = sum(len(r.done) for r in resumes.values())
         spec = EncodeSpec(identity["kind"], setup.tokenizer_json, identity["eos_id"], dtype,
                           opts.val_fraction, opts.text_field, opts.errors, corpus.val_doc)
@@ -396,6 +396,10 @@ def _prepare_local(opts: PrepareOptions, corpus: _Corpus, t0: float) -> PrepareR
                                   {s: w.records for s, w in writers.items()}, errors, corpus.recipe)
         if part is not None:
             manifest["part"] = part
+        # the token counts (the closing line's entropy reads them, not the shards), before the manifest
+        atomic_write_bytes(out / COUNTS_NAME, encode_token_counts({s: w.counts for s, w in writers.items()},
+                                                                  int(identity["vocab_size"])))
+        manifest["token_counts"] = COUNTS_NAME
         atomic_write_text(out / MANIFEST_NAME, json.dumps(manifest, indent=1) + "\n")
         result.manifest = manifest
         result.shards_written = sum(w.written for w in writers.values())

@@ -48,9 +48,10 @@ def upload_file(store: Store, name: str, path: Path) -> None:
 
 
 def upload(store: Store, prefix: str, local: Path, manifest: dict[str, Any]) -> None:
-    """Upload a prepared folder: shards and tokenizer files, then the manifest (last)."""
+    """Upload a prepared folder: shards, tokenizer files and token counts, then the manifest (last)."""
     names = [s["file"] for split in manifest["splits"].values() for s in split["shards"]]
-    for name in names + list(manifest["tokenizer"]["files"]):
+    counts = [manifest["token_counts"]] if manifest.get("token_counts") else []
+    for name in names + list(manifest["tokenizer"]["files"]) + counts:
         upload_file(store, prefix + name, local / name)
     store.write_bytes(prefix + MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
 

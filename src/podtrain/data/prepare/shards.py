@@ -7,6 +7,11 @@ restarts the stream where the first unfinished shard begins.
 
 Nothing is half-written: a shard is streamed into a temporary file and renamed when full, every
 other file goes through ``fsutil.atomic_write_*``.
+
+Each writer also counts the ids it writes (``ShardWriter.counts``, O(vocabulary)): the writer
+thread sees every token of a split once, in order, whatever the number of tokenizing workers, so
+the counts are exact. A resumed run counts the shards it keeps while it checks their checksums
+(the same read), so the counts of a finished split are its shards' whatever the interruptions.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from podtrain.data.manifest import FORMAT, MANIFEST_NAME
+from podtrain.data.manifest import COUNTS_NAME, FORMAT, MANIFEST_NAME, add_token_counts, \
+    sum_token_counts
 from podtrain.data.tokenizer import TOKENIZER_DIR
 from podtrain.fsutil import atomic_write_text, open_temp, publish_temp, sha256_file
 
@@ -47,14 +53,17 @@ class ShardWriter:
     and gets a done record saying where in the task stream the next shard begins."""
 
     def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int, key: str,
-                 done: list[dict[str, Any]], resume_task: int, resume_skip: int, complete: bool) -> None:
-        """Continue after the ``done`` shards (their records), skipping stream tokens before
-        (``resume_task``, ``resume_skip``)."""
+                 done: list[dict[str, Any]], resume_task: int, resume_skip: int, complete: bool,
+                 counts: np.ndarray | None = None) -> None:
+        """Continue after the ``done`` shards (their records; ``counts``: their token counts by id),
+        skipping stream tokens before (``resume_task``, ``resume_skip``)."""
         self.out, self.split, self.dtype = out, split, dtype
         self.shard_tokens, self.key = shard_tokens, key
         self.records = list(done)
         self.resume_task, self.resume_skip, self.complete = resume_task, resume_skip, complete
         self.written = 0
+        self.counts = np.zeros(0, dtype=np.int64) if counts is None else counts
+        """How often each id occurs in the split's shards (finished and in progress)."""
         self._fh: Any = None
         self._tmp: Path | None = None
         self._fill = 0
@@ -82,6 +91,7 @@ class ShardWriter:
             self._digest.update(blob)
             self._max = max(self._max, int(part.max()))
             self._eos_count += int(np.count_nonzero(part == eos_id))
+            self.counts = add_token_counts(self.counts, part)
             self._fill += take
             pos += take
             if self._fill == self.shard_tokens:
@@ -186,6 +196,7 @@ def clean_outputs(out: Path) -> None:
     """Remove every file ``prepare`` writes in ``out`` (manifest first, so the directory never
     looks complete); files that are not ours are left alone."""
     (out / MANIFEST_NAME).unlink(missing_ok=True)
+    (out / COUNTS_NAME).unlink(missing_ok=True)
     if out.is_dir():
         for p in out.iterdir():
             if SHARD_RE.match(p.name):
@@ -214,14 +225,33 @@ def write_run_state(out: Path, key: str, identity: dict[str, Any]) -> None:
     atomic_write_text(out / STATE_DIR / RUN_STATE, json.dumps({"key": key, "tokenizer": identity}))
 
 
-def _shard_ok(out: Path, rec: dict[str, Any], itemsize: int) -> bool:
+COUNT_CHUNK = 1 << 22  # bytes read at a time when a kept shard is hashed and counted
+
+
+def _shard_ok(out: Path, rec: dict[str, Any], itemsize: int, tally: "SplitResume | None" = None) -> bool:
+    """Whether the shard of done record ``rec`` is whole (size and SHA-256); with ``tally``, its
+    ids are counted in the same read and added to ``tally.counts`` when it is."""
     path = out / rec["file"]
     try:
         if path.stat().st_size != rec["tokens"] * itemsize:
             return False
     except OSError:
         return False
-    return sha256_file(path) == rec["sha256"]
+    if tally is None:
+        return sha256_file(path) == rec["sha256"]
+    dtype = np.dtype(f"<u{itemsize}")
+    digest, counts = hashlib.sha256(), np.zeros(0, dtype=np.int64)
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(COUNT_CHUNK):  # a multiple of the item size (checked above)
+                digest.update(chunk)
+                counts = add_token_counts(counts, np.frombuffer(chunk, dtype=dtype))
+    except OSError:
+        return False
+    if digest.hexdigest() != rec["sha256"]:
+        return False
+    tally.counts = sum_token_counts(tally.counts, counts)  # only once the shard is known whole
+    return True
 
 
 def up_to_date_manifest(out: Path, key: str, state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -231,6 +261,8 @@ def up_to_date_manifest(out: Path, key: str, state: dict[str, Any] | None) -> di
     manifest = _read_json(out / MANIFEST_NAME)
     if manifest is None or manifest.get("format") != FORMAT:
         return None
+    if not manifest.get("token_counts") or not (out / manifest["token_counts"]).is_file():
+        return None  # made before podtrain counted tokens: resumed, its shards are counted (not remade)
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split in manifest["splits"].values():
         for shard in split["shards"]:
@@ -249,6 +281,8 @@ class SplitResume:
     skip: int = 0
     errors_before: dict[str, int] = field(default_factory=lambda: {"replaced": 0, "skipped": 0})
     complete: bool = False
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Token counts by id of the ``done`` shards."""
 
 
 def _resume_split(out: Path, split: str, key: str, itemsize: int) -> SplitResume:
@@ -257,7 +291,7 @@ def _resume_split(out: Path, split: str, key: str, itemsize: int) -> SplitResume
     while True:
         rec = _read_json(_record_path(out, split, index))
         if rec is None or rec.get("key") != key or rec.get("file") != shard_name(split, index) \
-                or not _shard_ok(out, rec, itemsize):
+                or not _shard_ok(out, rec, itemsize, tally=res):
             break
         res.done.append(rec)
         res.task, res.skip, res.errors_before = rec["next_task"], rec["skip"], rec["errors_before"]
