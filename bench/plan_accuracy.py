@@ -3,9 +3,11 @@
     .venv/bin/python bench/plan_accuracy.py [--rounds 5] [--steps 20] [--configs demo,short,wide,one-rank]
                                             [--max-minutes M]
 
-Each round plans and then runs every config (plan, run, plan, run, ...) so the shared machine's
-drift hits both alike. The plan measures this host at the run's shapes (``plan/calibrate.py``); it
-is made in this process (as `podtrain plan CONFIG --instance-type local --nproc N --json` makes it,
+Each round plans, runs and plans again every config (plan, run, plan, ...): the prediction is the
+mean of the plans just before and just after its run, so the shared machine's drift during the run
+hits both sides alike: each ratio is a plan and a run of the same round. The plan times this host's
+step at the run's shapes (``plan/layertime.py``: a real decoder layer, the LM head and loss, the
+optimizer; the line names the path it took and how long planning took); it is made in this process (as `podtrain plan CONFIG --instance-type local --nproc N --json` makes it,
 without a second interpreter's start-up). The run is `podtrain launch local` at podtrain's defaults
 (gloo, fp32 on CPU), shortened to --steps, with evaluation and checkpoints off (the plan shows them
 apart from the step); its step time is the mean of metrics.jsonl's step_time_s after the first log
@@ -66,17 +68,19 @@ def podtrain(*args, timeout=900):
 
 
 def predicted(ranks, overrides):
-    """The plan's step seconds and its machine line."""
+    """The plan's step seconds, its machine line, its step dict and the seconds planning took."""
     from podtrain.cli import main as cli
 
     text = io.StringIO()
+    start = time.perf_counter()
     with contextlib.redirect_stdout(text):
         code = cli(["plan", "configs/demo.yaml", "--instance-type", "local", "--nproc", str(ranks), "--json",
                     *overrides])
     if code:
         sys.exit(f"podtrain plan {' '.join(overrides)} exited {code}")
+    took = time.perf_counter() - start
     plan = json.loads(text.getvalue())
-    return plan["step"]["step_s"], plan["machine"]
+    return plan["step"]["step_s"], plan["machine"], plan["step"], took
 
 
 def measured(ranks, overrides, run_dir, steps):
@@ -114,11 +118,15 @@ def main():
             for name in names:
                 ranks, overrides = table[name]
                 overrides = [*overrides, f"data.path={data}"]
-                pred, machine = predicted(ranks, overrides)
+                before, machine, step, took = predicted(ranks, overrides)
                 meas = measured(ranks, overrides, f"{tmp}/run-{name}-{k}", args.steps)
+                after = predicted(ranks, overrides)[0]
+                pred = (before + after) / 2
                 ratios[name].append(pred / meas)
-                print(f"round {k + 1} {name:8s}: predicted {pred:.3f} s/step, measured {meas:.3f} s/step, "
-                      f"predicted/measured {pred / meas:.2f} (peak {machine['peak_flops'] / 1e9:.1f} GFLOP/s x "
+                print(f"round {k + 1} {name:8s}: predicted {pred:.3f} s/step ({before:.3f} before the run, "
+                      f"{after:.3f} after), measured {meas:.3f} s/step, "
+                      f"predicted/measured {pred / meas:.2f} ({step.get('compute_path', 'flops')} path, planned in "
+                      f"{took:.1f} s; peak {machine['peak_flops'] / 1e9:.1f} GFLOP/s x "
                       f"{machine['efficiency']:.2f}; load average {os.getloadavg()[0]:.1f})", flush=True)
     print(f"\nwithin +-{TOLERANCE:.0%} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
     every = True

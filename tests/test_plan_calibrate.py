@@ -1,5 +1,6 @@
-"""`plan --instance-type local` times this host at the run's shapes (``plan/calibrate.py``): its
-largest piece, the LM head, against the same product timed whole with torch, side by side."""
+"""The FLOP path of `plan --instance-type local` (``plan/calibrate.py``, taken for shapes beyond the
+host) times this host's matmuls at the run's shapes: its largest piece, the LM head, against the same
+product timed whole with torch, side by side."""
 
 import time
 

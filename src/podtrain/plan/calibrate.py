@@ -1,4 +1,10 @@
-"""This host's compute for one run, measured at the run's own shapes (``plan --instance-type local``).
+"""This host's matmul rate at the run's own shapes: the FLOP path of ``plan --instance-type local``.
+
+The plan times the step itself where it can (``plan/layertime.py``: a real decoder layer, the LM
+head and loss, the optimizer); this module is what it falls back to when the run's shapes are beyond
+what the host is asked to time (a 70B plan on a laptop) or ``--efficiency`` is given: the step's
+FLOPs over the rate measured here, which misses the element-wise, normalisation and optimizer work
+a FLOP count does not see (it planned 0.68-0.78 of the measured step on a quiet 2-core host).
 
 A CPU's matmul rate depends on the shapes: a 2048 x 192 by 192 x 576 product runs far below a
 768-cube one, and a transformer step is made of such thin products, attention and elementwise

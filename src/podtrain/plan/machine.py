@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,7 +22,9 @@ from podtrain.errors import UserError
 from podtrain.launch import instances
 from podtrain.plan.calibrate import calibrate
 from podtrain.plan.fit import Devices
+from podtrain.plan.layertime import LayerTiming, measurable, time_step_pieces
 from podtrain.plan.memory import ModelShape
+from podtrain.plan.published import FP8_GPU_MODELS, FP8_MIN_CAPABILITY
 from podtrain.observe.hardware import PEAK_FLOPS, best_matmul_seconds, device_memory_bytes
 
 # Share of the dense peak a well-tuned dense-transformer training step sustains on a GPU in
@@ -64,6 +67,9 @@ class Machine:
         busbw_source: where the bandwidths come from, for the output.
         busbw_table: (bytes, busbw) pairs measured by ``bench collectives`` (empty: a constant).
         compute_source: where peak and efficiency come from, for the output.
+        timing: this host's step pieces timed at the run's shapes (``plan.layertime``): the plan's
+            compute and optimizer are these instead of FLOPs / sustained rate; None: FLOP path.
+        fp8_capable: the device has FP8 tensor cores (compute capability >= 8.9).
     """
 
     name: str
@@ -79,6 +85,8 @@ class Machine:
     busbw_source: str
     busbw_table: tuple[tuple[int, float], ...] = ()
     compute_source: str = "datasheet peak x published efficiency"
+    timing: LayerTiming | None = None
+    fp8_capable: bool = False
 
     @property
     def devices(self) -> "Devices":
@@ -123,18 +131,32 @@ def instance_machine(name: str, precision: str, efficiency: float | None,
         memory_bandwidth=GPU_MEMORY_BANDWIDTH[inst.gpu_model],
         intra_busbw_gbps=intra, inter_busbw_gbps=inst.inter_busbw_gbps,
         price_per_node_hour=price if price is not None else instances.ON_DEMAND_USD_PER_HOUR.get(inst.name),
-        is_gpu=True, busbw_source=f"{inst.name} preset (NVLink/PCIe inside, {inst.network_gbps:g} Gbps "
-                                  "network across nodes)")
+        is_gpu=True, fp8_capable=inst.gpu_model in FP8_GPU_MODELS,
+        busbw_source=f"{inst.name} preset (NVLink/PCIe inside, {inst.network_gbps:g} Gbps network across nodes)")
 
 
 def local_machine(ranks: int, efficiency: float | None, price: float | None,
-                  shape: ModelShape | None = None, micro_batch: int = 1, seq_len: int = 1) -> Machine:
-    """This host measured, as ``ranks`` CPU ranks would see it (each with its share of the cores);
-    a memory copy gives the bandwidth. With the run's ``shape``, micro-batch and sequence length,
-    one micro-batch is timed at the run's own shapes (``plan.calibrate``): the peak is the matmul
-    rate there, the efficiency what the attention and elementwise work leave of it. Without, the
-    square fp32 matmul of the training loop's MFU peak and ``CPU_EFFICIENCY``."""
+                  shape: ModelShape | None = None, micro_batch: int = 1, seq_len: int = 1,
+                  cfg: Any = None, model_config: Any = None, mean_document: float | None = None) -> Machine:
+    """This host measured, as ``ranks`` ranks would see it (each with its share of the cores, or
+    its GPU); a memory copy gives the bandwidth. Three paths, the first that applies:
+
+    * measured: with the run's ``cfg``, its transformers ``model_config`` and ``shape``, no
+      ``efficiency`` given, and a shape this host can time (``plan.layertime.measurable``), a
+      decoder layer, the embedding/LM head/loss and the optimizer are timed as the step runs them
+      (``plan.layertime``; on the GPU when there is one), with the run's document mask when
+      ``mean_document`` is given;
+    * FLOP path at the run's shapes: with ``shape``, one micro-batch's matmuls, attention and
+      elementwise work are timed piece by piece (``plan.calibrate``): the peak is the matmul rate
+      there, the efficiency what the rest leaves of it;
+    * without: the square fp32 matmul of the training loop's MFU peak and ``CPU_EFFICIENCY``."""
     threads = omp_num_threads() or threads_per_rank(ranks)  # what each training rank will use
+    why_not = None
+    if cfg is not None and model_config is not None and shape is not None:
+        why_not = ("--efficiency was given" if efficiency is not None
+                   else measurable(shape, cfg.data.seq_len))
+        if why_not is None:
+            return _measured_machine(ranks, price, shape, cfg, model_config, threads, mean_document)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -150,7 +172,8 @@ def local_machine(ranks: int, efficiency: float | None, price: float | None,
         peak = cal.matmul_flops_per_s
         measured = shape.flops_per_token * micro_batch * seq_len / peak / cal.micro_batch_s
         efficiency = efficiency or measured
-        source = (f"measured at the run's shapes: matmuls {cal.matmul_s * 1e3:.1f} ms (LM head "
+        source = ("FLOP path" + (f" ({why_not})" if why_not else "") + ": "
+                  f"FLOPs / the rate measured at the run's shapes: matmuls {cal.matmul_s * 1e3:.1f} ms (LM head "
                   f"{cal.head_s * 1e3:.1f} ms) + attention "
                   f"{cal.attention_s * 1e3:.1f} ms + elementwise {cal.elementwise_s * 1e3:.1f} ms per micro-batch")
     memory = device_memory_bytes(torch.device("cpu"), ranks) or 0
@@ -162,15 +185,43 @@ def local_machine(ranks: int, efficiency: float | None, price: float | None,
                    compute_source=source)
 
 
-def _copy_bandwidth(nbytes: int = 64 << 20) -> float:
-    """Bytes/s of a large tensor copy (read + write counted) on this process's threads."""
-    src = torch.ones(nbytes // 4)
+def _measured_machine(ranks: int, price: float | None, shape: ModelShape, cfg: Any, model_config: Any,
+                      threads: int, mean_document: float | None) -> Machine:
+    """The measured path of ``local_machine``: the step's pieces timed on this host's device."""
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bandwidth = _copy_bandwidth(device=device)
+    finally:
+        torch.set_num_threads(previous)
+    timing = time_step_pieces(model_config, shape, cfg, device, threads, mean_document)
+    rate = shape.flops_per_token * cfg.train.micro_batch_size * cfg.data.seq_len / timing.micro_batch_s(False)
+    fp8 = gpu and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+    memory = device_memory_bytes(device, ranks) or 0
+    return Machine(name="local", devices_per_node=ranks, device_memory_bytes=memory, peak_flops=rate,
+                   efficiency=1.0, memory_bandwidth=bandwidth, intra_busbw_gbps=LOCAL_BUSBW_GBPS,
+                   inter_busbw_gbps=LOCAL_BUSBW_GBPS, price_per_node_hour=price, is_gpu=gpu,
+                   busbw_source=f"assumed gloo loopback {LOCAL_BUSBW_GBPS:g} GB/s (--busbw-json to measure)",
+                   compute_source="measured path: " + timing.describe() + " (peak = the FLOPs per "
+                   "micro-batch over its measured time)", timing=timing, fp8_capable=fp8)
+
+
+def _copy_bandwidth(nbytes: int = 64 << 20, device: torch.device | None = None) -> float:
+    """Bytes/s of a large tensor copy (read + write counted) on this process's threads (or GPU)."""
+    device = device or torch.device("cpu")
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = math.inf
     for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
 

@@ -19,6 +19,7 @@ from podtrain.plan.fit import (MAX_NODES, StrategyFit, accumulates_unsharded, ac
                                no_fit_advice, strategy_fits)
 from podtrain.plan.machine import Machine, instance_machine, local_machine, resolve_precision, with_busbw_json
 from podtrain.plan.memory import STRATEGIES, ModelShape, shard_factor
+from podtrain.plan.published import Adjustment, fp8_adjustment, fp8_mode, masking_adjustment, masking_on
 from podtrain.plan.steptime import StepTime, Workload, step_time
 
 if TYPE_CHECKING:  # plan.shape imports the model code (transformers): only when counting
@@ -68,6 +69,8 @@ class Plan:
     """Where ``tokens`` comes from: ``--tokens``, the config's train.steps, or the default ratio."""
     init_load: Any = None
     """model.init_from: the load's bytes per rank and time (``plan.init_load.InitLoad``), else None."""
+    mean_document: float | None = None
+    """Tokens per document of the prepared data here (document masking's model), else None."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,11 +127,13 @@ def workload(cfg: RunConfig, world: int, dtype_bytes: int, checkpointing: bool) 
 
 
 def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
-              tokens: int | None, vocab: VocabChoice | None = None, steps: int | None = None) -> Plan:
+              tokens: int | None, vocab: VocabChoice | None = None, steps: int | None = None,
+              mean_document: float | None = None) -> Plan:
     """The plan for ``cfg`` on ``nodes`` nodes of ``machine``; UserError when it fits nowhere, or
     when the global batch does not divide over the job (what the launchers refuse). ``vocab``:
     how ``shape``'s vocabulary was chosen, for the text (default: the preset's own). The tokens
-    planned: ``tokens`` when given, else ``steps`` steps of this job, else 20 per parameter."""
+    planned: ``tokens`` when given, else ``steps`` steps of this job, else 20 per parameter.
+    ``mean_document``: tokens per document of the data (document masking's model)."""
     if nodes < 1:
         raise UserError(f"--nodes must be 1 or more, got {nodes}")
     precision = resolve_precision(cfg.train.precision, machine.is_gpu)
@@ -154,7 +159,7 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
                 f"{cfg.train.activation_checkpointing} does not fit at train.micro_batch_size="
                 f"{cfg.train.micro_batch_size}: set dist.strategy={strategy} "
                 f"train.activation_checkpointing={'full' if ac else 'none'}")
-    time = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded)
+    time = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded, mean_document)
     tokens_per_step = _tokens_per_step(cfg, world)
     if tokens:
         source = "--tokens"
@@ -168,12 +173,13 @@ def make_plan(cfg: RunConfig, shape: ModelShape, machine: Machine, nodes: int,
                 tokens_per_step=tokens_per_step, tokens=tokens, tokens_source=source,
                 note=note, accum=accum, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len, accumulate_unsharded=unsharded, unsharded_bytes=unsharded_bytes,
                 preset=cfg.model.preset, vocab_source=vocab.source if vocab else "the preset's own vocabulary",
-                vocab_reason=vocab.reason if vocab else "")
+                vocab_reason=vocab.reason if vocab else "", mean_document=mean_document)
     if cfg.model.init_from:
         from podtrain.plan.init_load import init_load
 
         plan.init_load = init_load(cfg, strategy, world, machine, nodes)
-    plan.scaling = scaling_table(cfg, shape, machine, strategy, dtype_bytes, ac, plan.tokens, unsharded)
+    plan.scaling = scaling_table(cfg, shape, machine, strategy, dtype_bytes, ac, plan.tokens, unsharded,
+                                 mean_document)
     return plan
 
 
@@ -182,21 +188,39 @@ def _tokens_per_step(cfg: RunConfig, world: int) -> int:
     return w.tokens_per_rank * world
 
 
-def _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded=True) -> StepTime:
+def adjustments(cfg: RunConfig, machine: Machine, mean_document: float | None) -> tuple[Adjustment, ...]:
+    """The published-figure factors ``cfg`` asks for on ``machine`` (``plan.published``): FP8's
+    on the decoder matmuls, document masking's on attention."""
+    out = []
+    fp8 = fp8_adjustment(fp8_mode(cfg), machine.name, machine.fp8_capable)
+    if fp8 is not None:
+        out.append(fp8)
+    if masking_on(cfg):
+        timed = machine.timing is not None and machine.timing.masked
+        out.append(masking_adjustment(cfg.data.seq_len, mean_document, machine.is_gpu, timed))
+    return tuple(out)
+
+
+def _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded=True,
+          mean_document: float | None = None) -> StepTime:
     world = nodes * machine.devices_per_node
+    adjust = adjustments(cfg, machine, mean_document)
+    fp8_gather = (strategy != "ddp" and fp8_mode(cfg) == "tensorwise" and machine.fp8_capable)
     return step_time(shape, workload(cfg, world, dtype_bytes, ac), strategy,
                      shard_factor(strategy, world, machine.devices_per_node), world, nodes,
                      machine.devices_per_node, machine.sustained_flops, machine.memory_bandwidth,
-                     machine.busbw_gbps, machine.is_gpu, gathered=unsharded)
+                     machine.busbw_gbps, machine.is_gpu, gathered=unsharded, timing=machine.timing,
+                     adjustments=adjust, fp8_gather=fp8_gather)
 
 
 def scaling_table(cfg: RunConfig, shape: ModelShape, machine: Machine, strategy: str,
-                  dtype_bytes: int, ac: bool, tokens: int, unsharded: bool = True) -> list[dict[str, Any]]:
+                  dtype_bytes: int, ac: bool, tokens: int, unsharded: bool = True,
+                  mean_document: float | None = None) -> list[dict[str, Any]]:
     """Step time, throughput, time and cost to ``tokens`` for 1, 2, 4 ... 1024 nodes."""
     rows, nodes = [], 1
     while nodes <= MAX_NODES:
         world = nodes * machine.devices_per_node
-        t = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded)
+        t = _time(cfg, shape, machine, strategy, nodes, dtype_bytes, ac, unsharded, mean_document)
         tps = _tokens_per_step(cfg, world) / t.wall_s
         hours = tokens / tps / 3600
         price = machine.price_per_node_hour
@@ -230,15 +254,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_machine(args: argparse.Namespace, cfg: RunConfig | None = None,
-                  shape: ModelShape | None = None) -> Machine:
-    """The machine named by the flags (a preset, or this host measured at ``cfg``'s shapes)."""
+                  shape: ModelShape | None = None, model_config: Any = None,
+                  mean_document: float | None = None) -> Machine:
+    """The machine named by the flags (a preset, or this host measured at ``cfg``'s shapes:
+    ``plan.machine.local_machine``)."""
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be 1 or more, got {args.nproc}")
     if args.instance_type == "local":
         machine = local_machine(args.nproc or LOCAL_RANKS, args.efficiency, args.price_per_hour, shape,
-                                cfg.train.micro_batch_size if cfg else 1, cfg.data.seq_len if cfg else 1)
+                                cfg.train.micro_batch_size if cfg else 1, cfg.data.seq_len if cfg else 1,
+                                cfg=cfg, model_config=model_config,
+                                mean_document=mean_document if cfg is not None and masking_on(cfg) else None)
     else:
         machine = instance_machine(args.instance_type, args.precision, args.efficiency, args.price_per_hour)
         if args.nproc:
@@ -250,7 +278,7 @@ def build_machine(args: argparse.Namespace, cfg: RunConfig | None = None,
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Load the config, count the model, build the machine, plan."""
-    from podtrain.plan.shape import plan_vocab, vocab_shape
+    from podtrain.plan.shape import mean_document_tokens, model_config, plan_vocab, vocab_shape
 
     if args.nodes < 1:
         raise UserError(f"--nodes must be 1 or more, got {args.nodes}")
@@ -259,10 +287,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     check_data_sources(cfg)
     vocab = plan_vocab(cfg)
     shape = vocab_shape(cfg, vocab.size)
-    machine = build_machine(args, cfg, shape)
+    mean_document = mean_document_tokens(cfg) if masking_on(cfg) else None
+    machine = build_machine(args, cfg, shape, model_config(cfg, vocab.size), mean_document)
     tokens = int(args.tokens) if args.tokens else None
     steps = cfg.train.steps if "train.steps" in explicit_keys(args.config, args.overrides) else None
-    plan = make_plan(cfg, shape, machine, args.nodes, tokens, vocab, steps)
+    plan = make_plan(cfg, shape, machine, args.nodes, tokens, vocab, steps, mean_document)
     plan.data_note = ignored_data_path(cfg.data)
     return plan
 

@@ -47,6 +47,8 @@ def render_plan(plan: Any) -> str:
         f"{plan.accum} accumulation step(s) x {plan.world} rank(s); {plan.tokens_per_step:,} tokens per step",
         f"compute: peak {m.peak_flops / 1e12:.3g} TFLOP/s x efficiency {m.efficiency:.2f} "
         f"({m.compute_source}) | busbw: {m.busbw_source}",
+        f"step time path: {_path_line(t)}",
+        *t.notes,
         "",
         "memory per device (GiB) at the config's micro-batch; 'ac' = activation checkpointing:",
     ]
@@ -86,6 +88,15 @@ def render_plan(plan: Any) -> str:
     out.append(f"communication exceeds compute from {first} node(s) on" if first
                else "communication stays below compute up to 1024 nodes")
     return "\n".join(out)
+
+
+def _path_line(t: Any) -> str:
+    """Which way the compute was planned: timed here, or FLOPs over a rate."""
+    split = (f"decoder matmuls {duration(t.matmul_s)}, attention {duration(t.attention_s)}, "
+             f"embedding/LM head/loss {duration(t.other_s)} per step")
+    if t.compute_path == "measured":
+        return f"measured (a decoder layer, the LM head and loss, and the optimizer timed on this host): {split}"
+    return f"FLOP-based (FLOPs / peak x efficiency): {split}"
 
 
 def _accumulation_line(plan: Any) -> str:

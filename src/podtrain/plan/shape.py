@@ -108,6 +108,23 @@ def vocab_shape(cfg: RunConfig, vocab: int | None) -> ModelShape:
     return config_shape(preset_config(cfg.model.preset, vocab), cfg.data.seq_len)
 
 
+def model_config(cfg: RunConfig, vocab: int | None) -> Any:
+    """The transformers config ``vocab_shape`` counts (the one training builds the model from)."""
+    if cfg.model.init_from:
+        return hf_folder_config(cfg.model.init_from)
+    return preset_config(cfg.model.preset, vocab)
+
+
+def mean_document_tokens(cfg: RunConfig) -> float | None:
+    """Tokens per document of the run's (first) prepared training data here, else None."""
+    manifest = _local_manifest(cfg)
+    if manifest is None:
+        return None
+    train = manifest.raw.get("splits", {}).get("train", {})
+    tokens, documents = int(train.get("tokens") or 0), int(train.get("documents") or 0)
+    return tokens / documents if tokens and documents else None
+
+
 def config_shape(config: Any, seq_len: int) -> ModelShape:
     """The ``ModelShape`` of a transformers model config at ``seq_len``, counted on the meta device."""
     from transformers import AutoModelForCausalLM

@@ -13,6 +13,12 @@
   switches from rings to trees and pipelines at scale, so the hop count grows like a tree's
   depth); at hundreds of nodes this, not bandwidth, is what outgrows the compute of small models.
 * optimizer: AdamW and clipping are memory-bound, ~32 bytes moved per local parameter.
+* measured (``timing``, ``plan --instance-type local``): compute and optimizer are what
+  ``plan/layertime.py`` timed on this host (a decoder layer x layers + embedding/LM head/loss per
+  micro-batch; AdamW over a layer's parameters x layers + the ends'), not FLOPs / rate.
+* compute is split into the decoder matmuls, attention and the rest (LM head, loss), by FLOPs on
+  the FLOP path and as timed on the measured one, so that FP8 and document masking
+  (``plan/published.py``) scale the term they change.
 * data: the loader builds batches ahead; only a build slower than the step is waited for.
 * saves and evaluation: amortised over the steps between them (the loop's step_time_s excludes
   them; they are shown apart).
@@ -23,8 +29,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from typing import TYPE_CHECKING, Any
+
 from podtrain.diagnostics.busbw import bus_factor
 from podtrain.plan.memory import GRAD_BYTES, ModelShape, checkpoint_bytes
+
+if TYPE_CHECKING:
+    from podtrain.plan.layertime import LayerTiming
+    from podtrain.plan.published import Adjustment
 
 OPTIMIZER_BYTES_PER_PARAM = 32
 # Seconds per network hop of a collective (EFA/InfiniBand message latency is ~10-20 us).
@@ -77,6 +89,19 @@ class StepTime:
     """Checkpoint stall amortised per step."""
     eval_s: float
     """Evaluation amortised per step."""
+    matmul_s: float = 0.0
+    """The decoder layers' matmul share of ``compute_s`` (timed: the layers less their attention)."""
+    attention_s: float = 0.0
+    """The attention share of ``compute_s``."""
+    other_s: float = 0.0
+    """The rest of ``compute_s``: embedding, LM head, loss."""
+    compute_path: str = "flops"
+    """``measured`` (a decoder layer, the ends and the optimizer timed on this host) or ``flops``
+    (FLOPs / the machine's sustained rate)."""
+    timed: dict[str, Any] | None = None
+    """The measured path's pieces (``LayerTiming.as_dict``), else None."""
+    notes: tuple[str, ...] = ()
+    """What came from published figures or estimates (FP8, document masking), one sentence each."""
 
     @property
     def step_s(self) -> float:
@@ -121,15 +146,49 @@ def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
     return max(comm_s / pieces, comm_s - hiding_s * (pieces - 1) / pieces)
 
 
+def decoder_matmul_params(shape: ModelShape) -> int:
+    """Weights of one decoder layer's linear layers (q, k, v, output; the MLP's two or three)."""
+    h, a, kv, inter = shape.hidden, shape.attn_width, shape.kv_width, shape.intermediate
+    return h * (a + 2 * kv) + a * h + (3 if shape.gated_mlp else 2) * h * inter
+
+
+def compute_split(shape: ModelShape, work: Workload, sustained_flops: float,
+                  timing: LayerTiming | None) -> tuple[float, float, float]:
+    """Seconds per step of the decoder matmuls, attention and the rest: measured per micro-batch
+    x micro-batches when ``timing`` is given, else the FLOPs of each / ``sustained_flops``."""
+    recompute = 4 / 3 if work.checkpointing else 1
+    if timing is not None:
+        from podtrain.plan.layertime import RECOMPUTE_SHARE
+
+        scale = work.accum * (1 + RECOMPUTE_SHARE if work.checkpointing else 1)
+        attention = timing.layers * timing.attention_s * scale
+        matmul = timing.layers * max(0.0, timing.layer_s - timing.attention_s) * scale
+        return matmul, attention, work.accum * timing.ends_s
+    tokens = work.tokens_per_rank
+    attention_flops = 12.0 * shape.layers * shape.attn_width * work.seq_len
+    matmul_flops = 6.0 * shape.layers * decoder_matmul_params(shape)
+    other_flops = max(0.0, shape.flops_per_token - attention_flops - matmul_flops)
+    per = tokens * recompute / sustained_flops
+    return matmul_flops * per, attention_flops * per, other_flops * per
+
+
 def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, world: int, nodes: int,
               devices_per_node: int, sustained_flops: float, memory_bandwidth: float,
-              busbw, gpu: bool, gathered: bool = True) -> StepTime:
+              busbw, gpu: bool, gathered: bool = True, timing: LayerTiming | None = None,
+              adjustments: tuple[Adjustment, ...] = (), fp8_gather: bool = False) -> StepTime:
     """Seconds per step of ``work`` under ``strategy``; ``busbw(nodes, nbytes)`` gives GB/s.
     fsdp/hsdp with ``gathered`` (weights kept gathered between micro-batches) gather each block
     once per step and reduce-scatter once; without, they gather in every forward and backward and
-    reduce-scatter after every micro-batch."""
-    flops = shape.flops_per_token * work.tokens_per_rank * (4 / 3 if work.checkpointing else 1)
-    compute = flops / sustained_flops
+    reduce-scatter after every micro-batch. ``timing``: this host's measured pieces (the measured
+    path); ``adjustments``: published factors on the matmul or attention term (FP8, masking);
+    ``fp8_gather``: FSDP gathers the weights in FP8 (one byte each)."""
+    matmul, attention, other = compute_split(shape, work, sustained_flops, timing)
+    for adjust in adjustments:
+        if adjust.term == "matmul":
+            matmul *= adjust.factor
+        elif adjust.term == "attention":
+            attention *= adjust.factor
+    compute = matmul + attention + other
     micro_compute = compute / work.accum
     backward = micro_compute * 2 / 3
     grad_bytes = GRAD_BYTES * shape.params
@@ -141,7 +200,7 @@ def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, wor
     else:
         group = world if strategy == "fsdp" else min(world, devices_per_node)
         group_nodes = nodes if strategy == "fsdp" else 1
-        layer_bytes = shape.layer_params * work.dtype_bytes
+        layer_bytes = shape.layer_params * (1 if fp8_gather else work.dtype_bytes)
         gather = (2 * ring_gather_s(layer_bytes, group, busbw(group_nodes, layer_bytes)) * shape.layers
                   + latency_s(2 * shape.layers, group))
         scatter = (ring_gather_s(grad_bytes, group, busbw(group_nodes, GRAD_BYTES * shape.layer_params))
@@ -158,15 +217,23 @@ def step_time(shape: ModelShape, work: Workload, strategy: str, shards: int, wor
         per_micro = exposed_s(gather, micro_compute, shape.layers)
         wait = (per_micro * gathers + exposed_s(scatter + across, backward, shape.layers)
                 + exposed_s(scatter, backward, shape.layers) * (scatters - 1))
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * shape.params / shards / memory_bandwidth
+    if timing is not None:
+        optimizer = timing.optimizer_s(shards)
+    else:
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * shape.params / shards / memory_bandwidth
     build = work.tokens_per_rank * TOKEN_BYTES / memory_bandwidth
     data = max(0.0, build - (compute + optimizer))
     state = checkpoint_bytes(shape.params) / shards
     copy = state / (GPU_HOST_COPY_BYTES_PER_S if gpu else memory_bandwidth)
     save = copy if work.async_save else copy + state / DISK_WRITE_BYTES_PER_S
-    forward_token_s = shape.flops_per_token / 3 / sustained_flops
-    eval_total = work.eval_batches * work.micro_batch * work.seq_len * forward_token_s
+    # An evaluation micro-batch is a forward: a third of a training one's forward + backward.
+    micro_plain = compute / work.accum / (4 / 3 if work.checkpointing else 1)
+    eval_total = work.eval_batches * micro_plain / 3
     return StepTime(
         compute_s=compute, optimizer_s=optimizer, comm_s=comm, sync_wait_s=wait, data_wait_s=data,
         save_s=save / work.ckpt_every if work.ckpt_every else 0.0,
-        eval_s=eval_total / work.eval_every if work.eval_every else 0.0)
+        eval_s=eval_total / work.eval_every if work.eval_every else 0.0,
+        matmul_s=matmul, attention_s=attention, other_s=other,
+        compute_path="measured" if timing is not None else "flops",
+        timed=timing.as_dict() if timing is not None else None,
+        notes=tuple(a.note for a in adjustments))
