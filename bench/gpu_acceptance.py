@@ -28,12 +28,20 @@ budget is recorded as skipped, never silently dropped):
                  checkpoint, resumed to 30 under ddp; tokens/s fsdp vs ddp on gpt2-124m
   hot_loop       20 steps under torch.cuda.set_sync_debug_mode("error") (a host sync in the loop
                  fails the run), ddp and fsdp, bf16; their losses within 2% (bench/hot_loop_check.py)
+  fp8            train.fp8=tensorwise under FSDP2 (torchao Float8Linear, FP8 all-gather of weights):
+                 20 steps, loss falls, checkpoint written; then bench/fp8_speed.py: FP8 against bf16
+                 tokens/s on llama-8b-shaped layers at full width (target >= 1.2x) with MFU of each
+  masking        data.document_masking=true with flex_attention (the loader's BlockMask): 20 steps,
+                 loss falls; then bench/masking_overhead.py: the masked step against none on
+                 llama-8b-shaped layers at seq 8192 (target <= 5% overhead) with MFU of each
   throughput     podtrain (defaults) against the bare DDP loop (bench/bare_ddp.py) on the same
                  GPU: tokens/s and MFU for gpt2-124m and qwen2.5-0.5b, bf16, seq 1024, eager and
                  torch.compile; prints podtrain/bare per configuration
 
 ``--dry-run`` (automatic without CUDA) runs the same stages on CPU: gloo, fp32, 2 ranks, the
-tiny preset and small sizes, a host-side stall for the hang, eager throughput only (add
+tiny preset and small sizes, a host-side stall for the hang, FP8 emulated on the CPU (torchao's
+float8 path runs there, slowly), masking through SDPA with a dense mask (flex_attention has no
+CPU backward), the benches' tiny shapes with nothing judged, eager throughput only (add
 ``--dry-compile`` for the compiled runs): everything but CUDA itself. ``--plan`` prints the stages.
 Results go to OUT/gpu_acceptance.json (OUT: $OUT on the device machine, else runs/gpu-acceptance),
 rewritten after every stage so a timeout still leaves what was measured.
@@ -359,6 +367,46 @@ def stage_fsdp(s: Session) -> dict[str, Any]:
             "log": "" if not failures else _tail(first) + _tail(second)}
 
 
+def _bench_script(s: Session, script: str, timeout: float = 420) -> dict[str, Any]:
+    """``bench/SCRIPT`` (``--dry-run`` on a CPU): its exit code is the verdict, its lines the figures."""
+    proc = subprocess.run([s.python, str(REPO / "bench" / script), *([] if s.mode.gpu else ["--dry-run"])],
+                          capture_output=True, text=True, timeout=timeout, env=s.env(), cwd=REPO)
+    name = script.removesuffix(".py")
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(name)]
+    return {"ok": proc.returncode == 0 and bool(lines), "lines": lines, "log": "" if lines else _tail(proc)}
+
+
+def _short_training(s: Session, run: str, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """A 20-step run with ``extra``; the failures of its checks (exit code, a falling loss)."""
+    proc = s.podtrain(*s.train_args(run, 20, "eval.every=0", *extra), timeout=600)
+    rows = _metrics(s.run_dir(run))
+    failures: list[str] = []
+    _expect(proc.returncode == 0, f"{run} run exit code {proc.returncode}", failures)
+    _expect(bool(rows) and rows[-1]["loss"] < rows[0]["loss"], f"{run}: loss did not fall", failures)
+    _expect((s.run_dir(run) / "ckpt" / "step_000020").is_dir(), f"{run}: no step_000020 checkpoint", failures)
+    return proc, failures
+
+
+def stage_fp8(s: Session) -> dict[str, Any]:
+    # The training path (FSDP2 with FP8 all-gathered weights where the GPU has FP8), then the speed.
+    proc, failures = _short_training(s, "fp8", "train.fp8=tensorwise", "dist.strategy=fsdp")
+    bench = _bench_script(s, "fp8_speed.py") if not s.over_budget() else {"ok": False, "skipped": "time budget"}
+    _expect(bench["ok"], f"fp8_speed: {bench.get('lines') or bench.get('skipped') or bench.get('log', '')[-300:]}",
+            failures)
+    return {"ok": not failures, "failures": failures, "bench": bench.get("lines"),
+            "log": "" if not failures else _tail(proc)}
+
+
+def stage_masking(s: Session) -> dict[str, Any]:
+    attn = "flex_attention" if s.mode.gpu else "sdpa"  # flex_attention has no CPU backward
+    proc, failures = _short_training(s, "masking", "data.document_masking=true", f"model.attn_implementation={attn}")
+    bench = _bench_script(s, "masking_overhead.py") if not s.over_budget() else {"ok": False, "skipped": "time budget"}
+    _expect(bench["ok"], f"masking_overhead: {bench.get('lines') or bench.get('skipped') or bench.get('log', '')[-300:]}",
+            failures)
+    return {"ok": not failures, "failures": failures, "bench": bench.get("lines"),
+            "log": "" if not failures else _tail(proc)}
+
+
 def _podtrain_throughput(s: Session, preset: str, compiled: bool, seq: int, micro: int, global_batch: int,
                          *extra: str) -> dict[str, Any]:
     run = f"tput-{preset}-{'compiled' if compiled else 'eager'}" + "".join(f"-{e.split('=')[-1]}" for e in extra)
@@ -381,10 +429,12 @@ STAGES: list[tuple[str, Callable[[Session], dict[str, Any]]]] = [
     ("environment", stage_environment), ("prepare", stage_prepare), ("train", stage_train),
     ("golden_resume", stage_golden_resume), ("compile", stage_compile), ("export", stage_export),
     ("sample", stage_sample), ("collectives", stage_collectives), ("doctor", stage_doctor),
-    ("hang", stage_hang), ("fsdp", stage_fsdp), ("hot_loop", stage_hot_loop), ("throughput", stage_throughput),
+    ("hang", stage_hang), ("fsdp", stage_fsdp), ("hot_loop", stage_hot_loop), ("fp8", stage_fp8),
+    ("masking", stage_masking), ("throughput", stage_throughput),
 ]
 NEEDS = {"train": "prepare", "golden_resume": "train", "compile": "prepare", "export": "train",
-         "sample": "train", "hang": "prepare", "hot_loop": "prepare", "throughput": "prepare"}
+         "sample": "train", "hang": "prepare", "hot_loop": "prepare", "fp8": "prepare", "masking": "prepare",
+         "throughput": "prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "wsd", "constant"),
     "dist.strategy": ("ddp", "fsdp", "hsdp"),
     "train.activation_checkpointing": ("none", "full"),
+    "train.fp8": ("off", "tensorwise", "rowwise"),
 }
 
 
@@ -352,6 +353,20 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.every and cfg.eval.max_batches < 1:
         raise UserError(f"config key 'eval.max_batches' must be at least 1 when eval.every > 0, "
                         f"got {cfg.eval.max_batches}")
+    if cfg.data.document_masking:
+        _validate_document_masking(cfg)
+
+
+def _validate_document_masking(cfg: RunConfig) -> None:
+    """What data.document_masking needs of the config alone (the device and the model's
+    architecture are checked at start: ``data.doc_mask.mask_kind``)."""
+    attn = cfg.model.attn_implementation
+    if attn not in ("sdpa", "eager", "flex_attention"):
+        raise UserError(f"config key 'data.document_masking' needs model.attn_implementation sdpa or eager (CPU) "
+                        f"or flex_attention (GPU): {attn} takes no document mask")
+    if attn == "flex_attention" and cfg.data.seq_len % 128:
+        raise UserError(f"config key 'data.document_masking' with flex_attention needs data.seq_len a multiple "
+                        f"of 128 (its mask's tiles), got {cfg.data.seq_len}")
 
 
 def ignored_data_path(data: Any) -> str | None:

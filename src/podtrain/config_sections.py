@@ -66,6 +66,10 @@ class DataSection:
     cache_gb: float = 20.0
     """s3:// data: most GB the block cache keeps per node (split between its ranks; least
     recently used blocks are evicted)."""
+    document_masking: bool = False
+    """Attention stays inside each document of a sample (documents end with EOS) and positions
+    restart at each; the loader builds the masks. CPU: model.attn_implementation sdpa or eager;
+    GPU: flex_attention (data.seq_len a multiple of 128). The loss is unchanged."""
 
 
 @dataclass
@@ -88,6 +92,11 @@ class TrainSection:
     activation_checkpointing: str = "none"
     """none, or full: recompute each decoder layer's activations in backward (less memory,
     about a third more compute), under every dist.strategy."""
+    fp8: str = "off"
+    """off, tensorwise or rowwise: the decoder's linear layers run their matmuls in FP8 (torchao's
+    Float8Linear, that recipe's scaling; pip extra fp8), on GPUs of compute capability 8.9+ (H100,
+    H200, L40S); the embedding, LM head and the rest stay in train.precision, weights in fp32.
+    Under fsdp/hsdp, tensorwise all-gathers the weights in FP8. On CPU it runs, slowly (tests)."""
 
 
 @dataclass

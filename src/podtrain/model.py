@@ -21,6 +21,35 @@ from podtrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
+
+class _TorchaoNoise(logging.Filter):
+    """Drops the lines torchao's import logs that say nothing to a podtrain user: a warning per
+    optional CUDA extension it cannot load here (``Failed to load ..._C_cutlass_90a.abi3.so``:
+    Float8Linear needs none of them), that Triton is missing (a CPU: FP8 there needs none) and
+    torch's pytree warning about Enums torchao registers."""
+
+    NOISE = ("Failed to load ", "is an Enum subclass and is now natively supported", "Detected no triton")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.NOISE)
+
+
+def quiet_torchao_logs() -> None:
+    """Install ``_TorchaoNoise`` on the loggers those lines come from (once; idempotent, imports nothing). It must
+    run before torchao is first imported, which transformers does by itself when torchao is
+    installed (the ``fp8`` extra; its torchao quantizer), at the first model built or loaded
+    (train, export, sample, eval): this module, which they all import, calls it on import."""
+    # A logger's filters see only its own records, not its children's: each logger by name.
+    for name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _TorchaoNoise) for f in logger.filters):
+            logger.addFilter(_TorchaoNoise())
+
+
+quiet_torchao_logs()
+
+
 # Architecture numbers. vocab_size here is the preset's own; a run replaces it with its
 # tokenizer's (config model.vocab_size, default: the data manifest's, rounded up to 64).
 PRESETS: dict[str, dict[str, Any]] = {

@@ -40,8 +40,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from podtrain.data.doc_mask import DocumentMasker
 from podtrain.data.manifest import Manifest
-from podtrain.data.mixture import Blend, MixOrder, ledger, parse_mix, restore_blend, segment_state
+from podtrain.data.mixture import Blend, MixOrder, ledger, mixed_entropy, parse_mix, restore_blend, segment_state
 from podtrain.data.samples import ORDER, ORDERS, SHUFFLE_ORDER, SampleIndex, source_orders
 from podtrain.data.sources import DataSources, MixedIndex
 from podtrain.errors import UserError
@@ -61,7 +62,8 @@ class StepBatch:
 
     Attributes:
         micro_batches: ``accum`` tensors of shape [micro_batch, seq_len + 1]; inputs are
-            ``[:, :-1]`` and targets ``[:, 1:]`` (views, no copy).
+            ``[:, :-1]`` and targets ``[:, 1:]`` (views, no copy); with data.document_masking,
+            ``doc_mask.DocumentRows`` holding such a tensor with its positions and mask.
         sample_ids: the global sample ids in this rank's share (for tests and diagnostics).
         consumed: stream positions consumed once this step is done (the state to save).
         wait_s: seconds the caller waited for this batch (data-loading stall).
@@ -116,6 +118,9 @@ class ShardedLoader:
         pin_memory: pin host batches so copies to the GPU can overlap compute.
         manifest: ``data_dir``'s manifest when already read.
         sources: the run's sources (``data.mix``), blended by weight (``data/mixture.py``).
+        document_masks: ``data.document_masking``'s mask kind (``doc_mask.mask_kind``): each
+            micro-batch becomes a ``doc_mask.DocumentRows`` with its documents' positions and
+            mask, built here with the batch, off the step's path; None: plain token tensors.
     """
 
     join_timeout_s = 5.0  # how long close() waits for a producer busy in a slow read
@@ -124,7 +129,7 @@ class ShardedLoader:
                  micro_batch_size: int, rank: int, world_size: int, seed: int,
                  split: str = "train", prefetch: int = 4, num_workers: int = 0,
                  pin_memory: bool = False, manifest: Manifest | None = None,
-                 sources: DataSources | None = None):
+                 sources: DataSources | None = None, document_masks: str | None = None):
         if global_batch_size % (micro_batch_size * world_size):
             raise UserError(
                 f"train.global_batch_size={global_batch_size} is not divisible by "
@@ -146,6 +151,7 @@ class ShardedLoader:
         self._stream: Iterator[StepBatch] | None = None
         self._stop: threading.Event | None = None  # the running producer's own (one per stream)
         self._thread: threading.Thread | None = None
+        self.masker = DocumentMasker(self.manifest.eos_id, document_masks) if document_masks else None
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -232,9 +238,13 @@ class ShardedLoader:
         positions = rank_slice(self.global_batch_size, self.world_size, self.rank)
         ids = self.order.ids(start + positions.start, positions.stop - positions.start)
         rows = torch.from_numpy(self.index.gather(ids))
-        if self.pin_memory if pin is None else pin:
+        pin = self.pin_memory if pin is None else pin
+        if pin and self.masker is None:
             rows = rows.pin_memory()
         micro = list(rows.split(self.micro_batch_size))
+        if self.masker is not None:  # data.document_masking: each micro-batch with its positions and mask
+            micro = [self.masker(m) for m in micro]
+            micro = [m.pin_memory() for m in micro] if pin else micro
         return StepBatch(micro, ids, start + self.global_batch_size)
 
     def warm(self, start: int) -> None:
@@ -363,13 +373,8 @@ def blend_entropy(manifests: list[Manifest], weights: list[float], split: str = 
     """Entropy in nats of the token frequencies of a ``data.mix`` blend: each source's unigram
     distribution (over its first ``max_tokens`` tokens) weighted by its share of the blend (the
     weights are shares of samples, all ``data.seq_len`` long, so shares of tokens too). What a
-    context-free model of the data the run trains on would reach, not of its first source."""
+    context-free model of the data the run trains on would reach, not of its first source.
+    Reads the tokens: the closing line uses the counts ``prepare`` kept instead (``entropy_clause``)."""
     vocab = max(m.vocab_size for m in manifests)
-    total = float(sum(weights))
-    blend = np.zeros(vocab, dtype=np.float64)
-    for manifest, weight in zip(manifests, weights):
-        tokens = manifest.head_tokens(split, max_tokens)
-        counts = np.bincount(tokens, minlength=vocab)[:vocab]
-        blend += (weight / total) * counts / max(1, counts.sum())
-    p = blend[blend > 0]
-    return float(-(p * np.log(p)).sum())
+    counts = [np.bincount(m.head_tokens(split, max_tokens), minlength=vocab) for m in manifests]
+    return mixed_entropy(counts, weights, vocab)

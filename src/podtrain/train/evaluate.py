@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from podtrain.data.doc_mask import DocumentMasker, document_loss_sum
 from podtrain.data.samples import SampleIndex, validation_ids
 from podtrain.distributed.group import DistContext
 from podtrain.model import is_sharded
@@ -30,15 +31,18 @@ def evaluate(model: nn.Module, index: SampleIndex, ctx: DistContext, micro_batch
 @torch.no_grad()
 def evaluate_sources(model: nn.Module, indexes: dict[str, SampleIndex], weights: dict[str, float],
                      ctx: DistContext, micro_batch_size: int, max_batches: int,
-                     precision: Precision) -> tuple[float, dict[str, float]]:
+                     precision: Precision, masker: DocumentMasker | None = None) -> tuple[float, dict[str, float]]:
     """``evaluate`` on each source's validation split (``max_batches`` each, one all_reduce for
     all): the mixture's loss (the sources' losses weighted by ``weights``, renormalised over the
-    sources that have a split) and ``{source: loss}``."""
+    sources that have a split) and ``{source: loss}``. ``masker``: the training loader's
+    (data.document_masking), so a sample is scored as the model was trained, each document
+    attending only to itself; without it, validation would score attention across documents the
+    model never saw and report a loss above the one it reached."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(len(indexes), 2, dtype=torch.float64, device=ctx.device)
     for row, index in enumerate(indexes.values()):
-        totals[row] = _local_totals(model, index, ctx, micro_batch_size, max_batches, precision)
+        totals[row] = _local_totals(model, index, ctx, micro_batch_size, max_batches, precision, masker)
     model.train(was_training)
     if is_sharded(model):  # a forward without backward leaves FSDP's weights gathered
         from torch.distributed.fsdp import FSDPModule
@@ -54,7 +58,7 @@ def evaluate_sources(model: nn.Module, indexes: dict[str, SampleIndex], weights:
 
 
 def _local_totals(model: nn.Module, index: SampleIndex, ctx: DistContext, micro_batch_size: int,
-                  max_batches: int, precision: Precision) -> torch.Tensor:
+                  max_batches: int, precision: Precision, masker: DocumentMasker | None) -> torch.Tensor:
     """(loss sum, target tokens) of this rank's validation samples of ``index``."""
     limit = max_batches * micro_batch_size
     ids = validation_ids(index.num_samples, ctx.rank, ctx.world_size, limit)
@@ -65,8 +69,12 @@ def _local_totals(model: nn.Module, index: SampleIndex, ctx: DistContext, micro_
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for b in range(batches):
         mine = ids[b * micro_batch_size:(b + 1) * micro_batch_size]
-        rows = torch.from_numpy(index.gather(mine if len(mine) else np.zeros(1, np.int64))).to(ctx.device)
-        loss_sum = micro_batch_loss_sum(model, rows, precision).double()
+        rows = torch.from_numpy(index.gather(mine if len(mine) else np.zeros(1, np.int64)))
+        if masker is not None:  # data.document_masking: positions and mask as in training
+            loss_sum = document_loss_sum(model, masker(rows).to(ctx.device), precision).double()
+        else:
+            rows = rows.to(ctx.device)
+            loss_sum = micro_batch_loss_sum(model, rows, precision).double()
         if len(mine):  # an extra forward (FSDP lockstep) counts for nothing
             totals[0] += loss_sum
             totals[1] += rows.shape[0] * (rows.shape[1] - 1)

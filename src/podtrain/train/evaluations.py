@@ -28,6 +28,7 @@ import numpy as np
 from torch import nn
 
 from podtrain.config_sections import EvalSection
+from podtrain.data.doc_mask import DocumentMasker
 from podtrain.data.manifest import Manifest
 from podtrain.data.samples import SampleIndex
 from podtrain.data.sources import DataSources
@@ -65,10 +66,12 @@ class Evaluations:
     """The loop's evaluations (see the module docstring); built in setup, on every rank."""
 
     def __init__(self, cfg: EvalSection, val_indexes: dict[str, SampleIndex], sources: DataSources,
-                 micro_batch_size: int):
+                 micro_batch_size: int, masker: DocumentMasker | None = None):
         """Raises a ``UserError`` for an ``eval.tasks`` that cannot run (every rank alike).
-        ``val_indexes``: each source's validation samples (``DataSources.val_indexes``)."""
+        ``val_indexes``: each source's validation samples (``DataSources.val_indexes``);
+        ``masker``: the training loader's under data.document_masking (validation masks alike)."""
         self.cfg, self.val_indexes, self.micro_batch_size = cfg, val_indexes, micro_batch_size
+        self.masker = masker
         self.sources, manifest = sources, sources.manifest
         self.validating = bool(cfg.every) and bool(val_indexes)
         manifests = dict(zip(sources.names, sources.manifests))
@@ -106,7 +109,7 @@ class Evaluations:
         if self._validate_now(step, last):
             weights = self.sources.weights
             val, losses = evaluate_sources(model, self.val_indexes, weights, ctx, self.micro_batch_size,
-                                           self.cfg.max_batches, precision)
+                                           self.cfg.max_batches, precision, self.masker)
             bpbs = {name: bits_per_byte(loss, self.bytes_per_token[name]) for name, loss in losses.items()}
             record.update(val_loss=val, val_bpb=sum(weights[n] * b for n, b in bpbs.items())
                           / sum(weights[n] for n in bpbs), **self.sources.by_source("val_loss", losses),

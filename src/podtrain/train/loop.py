@@ -25,9 +25,10 @@ from podtrain import __version__
 from podtrain.ckpt.checkpointer import Checkpointer
 from podtrain.ckpt.interval import SaveSchedule
 from podtrain.config import RunConfig, dump_config, ignored_data_path, load_config, to_dict
-from podtrain.data.loader import ShardedLoader, blend_entropy
+from podtrain.data.doc_mask import mask_kind
+from podtrain.data.loader import ShardedLoader
 from podtrain.data.manifest import tokenizer_identity
-from podtrain.data.mixture import ledger_fields, ledger_line
+from podtrain.data.mixture import entropy_clause, ledger_fields, ledger_line
 from podtrain.data.sources import shared_manifests
 from podtrain.distributed import fd_limit
 from podtrain.distributed.env import ClusterEnv
@@ -211,8 +212,11 @@ class Trainer:
         self.loader = ShardedLoader(
             None, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
             ctx.rank, ctx.world_size, cfg.run.seed, prefetch=cfg.data.prefetch,
-            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources)
-        self.evals = Evaluations(cfg.eval, checked.val_indexes, checked.sources, cfg.train.micro_batch_size)
+            num_workers=cfg.data.num_workers, pin_memory=ctx.is_cuda, sources=checked.sources,
+            document_masks=mask_kind(cfg.model.attn_implementation, ctx.device, checked.model_config)
+            if cfg.data.document_masking else None)
+        self.evals = Evaluations(cfg.eval, checked.val_indexes, checked.sources, cfg.train.micro_batch_size,
+                                 self.loader.masker)
         self.precision = resolve_precision(cfg.train.precision, ctx.device)
         self.gpu_defaults = apply_gpu_defaults(self.precision.name, ctx.device)  # TF32 on Ampere+ under fp32
         self.model, self.reference = build_for_strategy(checked.model_config, cfg.model.attn_implementation,
@@ -230,7 +234,7 @@ class Trainer:
         """The dist.strategy's wrapping (DDP, FSDP2 or HSDP; one process: none), each decoder
         block compiled first when train.compile asks."""
         self.strategy = build_strategy(self.cfg.dist, self.ctx, self.precision, self.cfg.data.seq_len,
-                                       self.accumulate_unsharded, self.cfg.train.compile)
+                                       self.accumulate_unsharded, self.cfg.train.compile, self.cfg.train.fp8)
         if self.cfg.model.init_from and hasattr(self.strategy, "fill_weights"):
             self.strategy.fill_weights = False  # every weight is loaded next: the folder's or a resume's
         wrapped = self.strategy.wrap(model, self.reference)
@@ -351,14 +355,14 @@ class Trainer:
         if result.final_loss is None:
             return
         sources = state.loader.sources
-        entropy = blend_entropy(sources.manifests, [spec.weight for spec in sources.specs])
+        entropy = entropy_clause(sources.manifests, [spec.weight for spec in sources.specs])  # reads no shard
         of = "the training data" if len(sources.specs) == 1 else "the training blend (data.mix, by weight)"
         val = (f"{result.val_loss:.4f} nats ({result.val_bpb:.4f} bits/byte)"
                if result.val_loss is not None else "n/a")
         self.console.note(
             f"done: {state.progress.step} steps, {state.progress.tokens_seen:,} tokens | train loss "
             f"{result.final_loss:.4f} nats, validation loss {val} | unigram entropy of "
-            f"{of} {entropy:.4f} nats (a model that ignored context would sit there)")
+            f"{of} {entropy}")
 
     # -- the loop's parts ----------------------------------------------------------------------
     def _log_interval(self, interval: LogInterval) -> None:

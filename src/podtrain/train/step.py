@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from podtrain.data.doc_mask import DocumentRows, document_loss_sum
 from podtrain.distributed.recorder import CollectiveRecorder
 from podtrain.distributed.timing import HostStepClock
 from podtrain.model import unwrap
@@ -154,7 +155,10 @@ class Stepper:
                                            caller=f"{self.strategy.name.upper()} gradient sync "
                                            f"({'every layer' if self.strategy.sharded else 'all buckets'})")
             with self.strategy.micro_batch(i == last):
-                loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
+                if isinstance(rows, DocumentRows):  # data.document_masking: the loader's positions and mask
+                    loss_sum = document_loss_sum(self.model, rows, self.precision)
+                else:
+                    loss_sum = micro_batch_loss_sum(self.model, rows, self.precision)
                 scaled = loss_sum * self.loss_scale
                 if i == last and self.judge is not None:
                     # A non-finite loss here makes this rank's gradients NaN, so the AllReduce
@@ -190,6 +194,7 @@ class Stepper:
         elif not bool(bad):  # foreach AdamW cannot skip on the device: one host read per step
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+        self.strategy.after_optimizer_step()  # train.fp8 under fsdp: the weights' FP8 scales
         if bad is None:
             self.stats.loss_sum += self._step_loss
             self.stats.grad_norm_sum += norm.detach().double()

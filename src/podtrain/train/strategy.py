@@ -13,7 +13,10 @@
 The loop asks ``build_strategy`` for one and calls ``wrap`` once; the ``Stepper`` then calls
 ``micro_batch(last)`` around every micro-batch and ``clip`` once per step without knowing which
 strategy runs. ``train.activation_checkpointing=full`` recomputes each decoder layer's activations
-in backward, under every strategy (``checkpoint_activations``).
+in backward, under every strategy (``checkpoint_activations``). ``train.fp8`` converts the decoder's
+linear layers to torchao's ``Float8Linear`` in ``wrap``, before compile and before DDP or
+``fully_shard`` (``podtrain.train.fp8``); under fsdp/hsdp with ``tensorwise`` the weights are then
+all-gathered in FP8, their scales precomputed after each optimizer step (``after_optimizer_step``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
 from podtrain.plan.fit import accumulation_phrase
 from podtrain.model import build_model, decoder_layers
+from podtrain.train import fp8 as fp8_training
 from podtrain.train.gpu_defaults import compile_blocks
 from podtrain.train.precision import Precision
 from podtrain.train.replicas import buffers_need_forward_sync, ddp_buffer_arguments
@@ -106,6 +110,9 @@ class Strategy:
         module: the wrapped module, once ``wrap`` ran.
         compile_blocks: ``train.compile``: ``wrap`` compiles each decoder block before wrapping
             (``podtrain.train.gpu_defaults.compile_blocks``); ``compiled`` says how many.
+        fp8: ``train.fp8``: off, tensorwise or rowwise; ``wrap`` converts the decoder's linear
+            layers first (``podtrain.train.fp8.convert``); ``fp8_layers`` says how many, and
+            ``fp8_all_gather`` whether FSDP2 gathers their weights in FP8.
     """
 
     name = "ddp"
@@ -113,6 +120,9 @@ class Strategy:
     sync_op: str | None = None
     compile_blocks = False
     compiled = 0
+    fp8 = "off"
+    fp8_layers = 0
+    fp8_all_gather = False
 
     def __init__(self) -> None:
         self.grads_to_none = True
@@ -121,14 +131,20 @@ class Strategy:
     def wrap(self, model: nn.Module, reference: nn.Module | None = None) -> nn.Module:
         """Prepare ``model`` for training (every rank calls); returns the module to call forward on.
         ``reference``: see ``build_for_strategy`` (sharded strategies only)."""
-        self._compile(model)
+        self._prepare(model)
         self.module = model
         return model
 
-    def _compile(self, model: nn.Module) -> None:
-        """Compile each decoder block when asked (before any wrapper, after any inspecting forward)."""
+    def _prepare(self, model: nn.Module) -> None:
+        """FP8 linear layers, then compiled decoder blocks, when asked (before any wrapper, after
+        any inspecting forward): the compiled graphs then hold the FP8 casts and matmuls."""
+        self.fp8_layers = fp8_training.convert(model, self.fp8, fp8_all_gather=self.sharded)
+        self.fp8_all_gather = self.sharded and self.fp8 == "tensorwise"
         if self.compile_blocks:
             self.compiled = compile_blocks(model)
+
+    def after_optimizer_step(self) -> None:
+        """Called by the ``Stepper`` after every optimizer step (every rank): nothing here."""
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's forward and backward; gradients are synchronised on ``last``."""
@@ -156,7 +172,9 @@ class Strategy:
         return self.name + self._compiled_phrase()
 
     def _compiled_phrase(self) -> str:
-        return f", torch.compile per decoder block ({self.compiled})" if self.compiled else ""
+        phrase = fp8_training.describe(self.fp8, self.fp8_layers, self.fp8_all_gather)
+        return (f", {phrase}" if phrase else "") + (
+            f", torch.compile per decoder block ({self.compiled})" if self.compiled else "")
 
     def release(self) -> None:
         """Drop the wrapper (DDP's reducer must go before the process group is destroyed)."""
@@ -188,7 +206,7 @@ class DDPStrategy(Strategy):
 
         cfg, ctx = self.cfg, self.ctx
         sync_buffers = buffers_need_forward_sync(model, ctx, self.seq_len)  # a forward: before compiling
-        self._compile(model)
+        self._prepare(model)
         self.module = DDP(model, device_ids=[ctx.device.index] if ctx.is_cuda else None,
                           **ddp_buffer_arguments(sync_buffers), bucket_cap_mb=cfg.bucket_cap_mb,
                           gradient_as_bucket_view=cfg.gradient_as_bucket_view,
@@ -246,13 +264,25 @@ class FSDPStrategy(Strategy):
         # With room for the gathered weights (accumulate_unsharded), a layer gathered for the
         # forward stays gathered through its backward: one all-gather per layer per step.
         keep = self.accumulate_unsharded
-        self._compile(model)  # before fully_shard: FSDP's hooks and collectives stay outside the graphs
+        self._prepare(model)  # before fully_shard: FSDP's hooks and collectives stay outside the graphs
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)  # the root: FSDP keeps it gathered
+        if self.fp8_all_gather:
+            # Every load of weights (the fill below, a resume, a rollback, model.init_from) goes
+            # through load_state_dict (torch's set_state_dict): scales precomputed from the
+            # weights before it must not be used for the new ones.
+            model.register_load_state_dict_post_hook(lambda module, keys: fp8_training.forget_scales(module))
         self._fill_from_rank0(model, reference)
         self.module = model
         return model
+
+    def after_optimizer_step(self) -> None:
+        """FP8 all-gather: the scales of all FP8 weights from their new values in one all-reduce
+        (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, where torchao says: after the
+        optimizer step), instead of one all-reduce per weight in the next step's all-gathers."""
+        if self.fp8_all_gather:
+            fp8_training.precompute_scales(self.module)
 
     def _fill_from_rank0(self, model: nn.Module, reference: nn.Module | None) -> None:
         """Allocate this rank's shards and buffers on its device and fill them from global rank
@@ -329,11 +359,15 @@ def device_mesh(ctx: DistContext, shape: tuple[int, ...]):
 
 
 def build_strategy(cfg: DistSection, ctx: DistContext, precision: Precision, seq_len: int,
-                   accumulate_unsharded: bool = True, compile_blocks: bool = False) -> Strategy:
+                   accumulate_unsharded: bool = True, compile_blocks: bool = False,
+                   fp8_recipe: str = "off") -> Strategy:
     """The strategy ``dist.strategy`` names for this job (one process: no wrapper at all);
-    ``compile_blocks``: ``train.compile`` (see ``Strategy``)."""
+    ``compile_blocks``: ``train.compile``, ``fp8_recipe``: ``train.fp8`` (see ``Strategy``;
+    refused in one line where FP8 cannot run: ``podtrain.train.fp8.check_supported``)."""
+    fp8_training.check_supported(fp8_recipe, ctx.device)
     strategy = _strategy_for(cfg, ctx, precision, seq_len, accumulate_unsharded)
     strategy.compile_blocks = compile_blocks
+    strategy.fp8 = fp8_recipe
     return strategy
 
 
