@@ -39,20 +39,51 @@ SEQ, GLOBAL, MICRO, WORLD, SEED = 16, 1024, 8, 8, 1234
 ORDERS = ("pcg64-shuffle", "feistel-1")
 
 
-def child(data: str, order: str) -> None:
-    """In a fresh process: start a loader in ``order`` until its first batch's ids are known
-    ("ready": the old order builds its epoch there), then read that batch; print JSON."""
+def count_shard_ops(data: str) -> dict[str, int]:
+    """Count, from now on in this process, the metadata operations on ``data``'s shard files
+    (``*.bin``): ``stat`` (os.stat/lstat, which pathlib calls too) and ``open`` (os.open and the
+    builtin open, which numpy's memmap calls). On Lustre/FSx each is a metadata-server request."""
+    import builtins
+
+    root = os.path.abspath(data)
+    counts = {"stat": 0, "open": 0}
+
+    def is_shard(path) -> bool:
+        try:
+            p = os.fspath(path)
+        except TypeError:  # a file descriptor
+            return False
+        p = p.decode() if isinstance(p, bytes) else p
+        return p.endswith(".bin") and os.path.abspath(p).startswith(root)  # abspath: no stat of its own
+
+    def counted(kind, real):
+        def call(path, *args, **kw):
+            if is_shard(path):
+                counts[kind] += 1
+            return real(path, *args, **kw)
+        return call
+
+    os.stat, os.lstat = counted("stat", os.stat), counted("stat", os.lstat)
+    os.open, builtins.open = counted("open", os.open), counted("open", builtins.open)
+    return counts
+
+
+def child(data: str, order: str, world: int = WORLD) -> None:
+    """In a fresh process: start a loader in ``order`` (rank 0 of ``world``) until its first
+    batch's ids are known ("ready": the old order builds its epoch there), then read that batch;
+    print JSON, with the shard files' metadata operations of both (``shard_ops``)."""
     from podtrain.data.loader import ShardedLoader, rank_slice
     from podtrain.data.samples import SHUFFLE_ORDER
 
     loader = {}
+    ops = count_shard_ops(data)
 
     def ready():
-        ld = loader["ld"] = ShardedLoader(data, SEQ, GLOBAL, MICRO, 0, WORLD, seed=SEED, prefetch=1)
+        ld = loader["ld"] = ShardedLoader(data, SEQ, GLOBAL, MICRO, 0, world, seed=SEED, prefetch=1)
         if order == SHUFFLE_ORDER:  # a checkpoint from before the order was named: its own order
             ld.load_state_dict({"consumed": 0, "samples_per_epoch": ld.samples_per_epoch, "seed": SEED})
         assert ld.order_name == order
-        mine = rank_slice(GLOBAL, WORLD, 0)
+        mine = rank_slice(GLOBAL, world, 0)
         ld.order.ids(mine.start, mine.stop - mine.start)
 
     def first_batch():
@@ -62,12 +93,13 @@ def child(data: str, order: str) -> None:
     ready_s, ready_grew = peak_rss_growth(ready)
     batch_s, batch_grew = peak_rss_growth(first_batch)
     print(json.dumps({"ready_s": ready_s, "ready_rss": ready_grew, "batch_s": batch_s,
-                      "start_rss": ready_grew + batch_grew}))
+                      "start_rss": ready_grew + batch_grew, "shard_stats": ops["stat"], "shard_opens": ops["open"],
+                      "shard_ops": ops["stat"] + ops["open"]}))
 
 
-def measure(data: Path, order: str) -> dict:
-    """One ``child`` run, in its own process (a clean resident-memory mark)."""
-    out = subprocess.run([sys.executable, __file__, "--child", str(data), order], capture_output=True,
+def measure(data: Path, order: str, world: int = WORLD) -> dict:
+    """One ``child`` run (rank 0 of ``world``), in its own process (a clean resident-memory mark)."""
+    out = subprocess.run([sys.executable, __file__, "--child", str(data), order, str(world)], capture_output=True,
                          text=True, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode:
         sys.exit(f"{order} at {data}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
@@ -98,10 +130,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="1e5,1e6,1e7,1e8,1e9", help="corpus sizes in samples")
     ap.add_argument("--old-max-gb", type=float, default=1.0,
                     help="run the old order only where its epoch array (4 bytes a sample) fits in this")
-    ap.add_argument("--child", nargs=2, metavar=("DATA", "ORDER"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, metavar=("DATA", "ORDER", "WORLD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(*args.child)
+        return child(args.child[0], args.child[1], int(args.child[2]))
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     rows: dict[str, dict[int, dict]] = {o: {} for o in ORDERS}
     with tempfile.TemporaryDirectory() as tmp:

@@ -230,10 +230,14 @@ def _probe_model(rows: int, ctx):
 
 
 # -- one rank ----------------------------------------------------------------------------------
-def ckpt_rank(rank: int, world: int, run_dir: str, config_json: str, probe_rows: int = 0) -> dict:
+def ckpt_rank(rank: int, world: int, run_dir: str, config_json: str, probe_rows: int = 0,
+              phases: str = "save,restore", strategy_name: str = "fsdp", local_dir: str = "") -> dict:
     """On a forked rank: a model under FSDP with AdamW state, one counted save, one counted
-    restore. The llama of ``config_json`` through podtrain's FSDP strategy, or with
-    ``probe_rows`` the checksum-block probe (``_probe_model``)."""
+    restore (``phases``: either alone; a restore alone reads what a run at another world size
+    saved under ``run_dir``). The llama of ``config_json`` through podtrain's ``strategy_name``
+    (fsdp, or hsdp: groups of 2 ranks), or with ``probe_rows`` the checksum-block probe
+    (``_probe_model``). With ``local_dir`` the save goes to the node-local tier (``ckpt.local_dir``,
+    peer replicas at their default) and the restore reads it from there."""
     import sys
 
     from podtrain.ckpt.checkpointer import Checkpointer
@@ -252,8 +256,9 @@ def ckpt_rank(rank: int, world: int, run_dir: str, config_json: str, probe_rows:
     if probe_rows:
         model = _probe_model(probe_rows, ctx)
     else:
-        model, reference = build_for_strategy(preset_config(config_json), "sdpa", 1234, "fsdp", ctx)
-        strategy = build_strategy(DistSection(strategy="fsdp"), ctx, resolve_precision("fp32", ctx.device), 16)
+        dist_cfg = DistSection(strategy=strategy_name, shard_size=2 if strategy_name == "hsdp" else None)
+        model, reference = build_for_strategy(preset_config(config_json), "sdpa", 1234, strategy_name, ctx)
+        strategy = build_strategy(dist_cfg, ctx, resolve_precision("fp32", ctx.device), 16)
         model = strategy.wrap(model, reference)
         del reference
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -261,14 +266,14 @@ def ckpt_rank(rank: int, world: int, run_dir: str, config_json: str, probe_rows:
         p.grad = torch.zeros_like(p)
     opt.step()
     out: dict = {"rank": rank, "tensors": sum(1 for _ in model.parameters())}
-    cfg = CkptSection(keep_last=0, save_wait_s=600.0)
-    for phase in ("save", "restore"):
+    cfg = CkptSection(keep_last=0, save_wait_s=600.0, local_dir=local_dir)
+    for phase in phases.split(","):
         ck = Checkpointer(Path(run_dir), cfg, ctx)
         try:
             box["t"] = tally = Tally()
             t0, cpu0 = time.perf_counter(), time.thread_time()
             if phase == "save":
-                ck.save(1, model, opt, None, {"step": 1, "tokens_seen": 0})
+                ck.save(1, model, opt, None, {"step": 1, "tokens_seen": 0}, local=bool(local_dir))
                 ck.wait()
             else:
                 state = ck.restore(model, opt, None)

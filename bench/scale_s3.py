@@ -6,11 +6,14 @@ and the checkpoints. Every rank talks to it through a counting proxy of its own
 rank that sent it), selected by ``AWS_ENDPOINT_URL`` in that rank alone. The ranks run the real
 ``podtrain train`` (``loop.train``, FSDP, tiny preset, ``data.path`` and ``ckpt.dir`` on s3://):
 
-* ``fresh``: a new run of 1 step, saved at its end;
-* ``start``: the same run again with ``train.steps=1``: it resumes step 1 and has nothing left to
+* ``fresh``: a new run of K steps (``kept``), saved at every step and keeping them all
+  (``ckpt.keep_last=K``): K checkpoints of 2N + a few objects each, so that at the larger world
+  sizes a listing of the checkpoints passes S3's 1,000 keys a page;
+* ``start``: the same run again with ``train.steps=K``: it resumes step K and has nothing left to
   train: what a restart sends before its first step (data manifests and listings, the lease, the
   checkpoint's choice and its share), with a cold data cache;
-* ``step+save``: ``train.steps=2``: a restart, one step and one save; minus ``start``: one save.
+* ``step+save``: ``train.steps=K+1``: a restart, one step and one save (retention then deletes
+  the oldest checkpoint); minus ``start``: one save.
 
 Requests are counted by verb: LIST (GET with ``list-type``/``prefix``/``uploads``), GET, HEAD,
 PUT, POST, DELETE.
@@ -26,9 +29,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = (("fresh", 1), ("start", 1), ("step+save", 2))
+PHASES = (("fresh", 0), ("start", 0), ("step+save", 1))
+"""Each phase and its train.steps beyond the K kept checkpoints."""
 OVERRIDES = ["train.micro_batch_size=1", "data.seq_len=16", "optim.warmup_steps=1", "eval.every=0",
-             "ckpt.every=0", "ckpt.keep_last=0", "log.every=1", "log.progress=off", "monitor.watchdog=false",
+             "ckpt.every=1", "log.every=1", "log.progress=off", "monitor.watchdog=false",
              "monitor.straggler_every=0", "dist.strategy=fsdp", "run.seed=5"]
 
 
@@ -41,7 +45,7 @@ def verb(method: str, target: str) -> str:
 
 
 def _s3_rank(rank: int, world: int, endpoints: list[str], run_dir: str, data_url: str, ckpt_url: str,
-             cache_dir: str, steps: int) -> int:
+             cache_dir: str, steps: int, kept: int = 1) -> int:
     """One forked rank: ``podtrain train`` through this rank's own proxy."""
     os.environ["AWS_ENDPOINT_URL"] = endpoints[rank]
     log = os.open(os.path.join(os.path.dirname(run_dir), f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -53,7 +57,7 @@ def _s3_rank(rank: int, world: int, endpoints: list[str], run_dir: str, data_url
 
     cfg = load_config(str(REPO / "configs/demo.yaml"), [
         f"run.dir={run_dir}", f"data.path={data_url}", f"ckpt.dir={ckpt_url}", f"data.cache_dir={cache_dir}",
-        f"train.steps={steps}", f"train.global_batch_size={world}", *OVERRIDES])
+        f"train.steps={steps}", f"train.global_batch_size={world}", f"ckpt.keep_last={kept}", *OVERRIDES])
     result = loop.train(cfg, ClusterEnv.detect())
     return result.exit_code
 
@@ -61,12 +65,12 @@ def _s3_rank(rank: int, world: int, endpoints: list[str], run_dir: str, data_url
 class S3Bench:
     """The server, one uploaded dataset, and a run per world size (see the module docstring)."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, kept: int = 1):
         sys.path.insert(0, str(REPO / "tests"))
         from s3_server import S3Server, TEST_ACCESS_KEY, TEST_SECRET
         from synthetic_data import make_data_dir
 
-        self.workdir = workdir
+        self.workdir, self.kept = workdir, kept
         self.server = S3Server()
         os.environ.update({"AWS_ACCESS_KEY_ID": TEST_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
                            "AWS_REGION": "us-east-1"})
@@ -79,7 +83,8 @@ class S3Bench:
         self.data_url = f"s3://{self.bucket}/data"
 
     def run_world(self, world: int) -> dict[str, list[dict[str, int]]]:
-        """``{phase: [requests by verb, one dict per rank]}`` at ``world`` ranks."""
+        """``{phase: [requests by verb, one dict per rank]}`` at ``world`` ranks, and ``{"keys":
+        [[keys under the checkpoints' prefix]]}`` after the fresh run (kept checkpoints' objects)."""
         from multirank import run_ranks
         from s3_fault_proxy import S3FaultProxy
 
@@ -87,15 +92,20 @@ class S3Bench:
         run_dir = self.workdir / f"s3run{world}"
         out: dict[str, list[dict[str, int]]] = {}
         try:
-            for phase, steps in PHASES:
+            for phase, extra in PHASES:
+                steps = self.kept + extra
                 for p in proxies:
                     p.reset()
                 cache = self.workdir / f"cache{world}_{phase}"  # cold: a restart on a fresh node
                 codes = run_ranks(_s3_rank, world, [p.endpoint for p in proxies], str(run_dir), self.data_url,
-                                  f"s3://{self.bucket}/ckpt{world}", str(cache), steps, timeout=900)
+                                  f"s3://{self.bucket}/ckpt{world}", str(cache), steps, self.kept, timeout=3600)
                 if any(codes):
                     raise RuntimeError(f"S3 {phase} run at {world} ranks exited {codes}")
                 out[phase] = [dict(collections.Counter(verb(m, t) for m, t, _ in p.history())) for p in proxies]
+                if phase == "fresh":
+                    pages = self.server.boto.get_paginator("list_objects_v2").paginate(
+                        Bucket=self.bucket, Prefix=f"ckpt{world}/")
+                    out["keys"] = [[sum(len(pg.get("Contents", [])) for pg in pages)]]
                 shutil.rmtree(cache, ignore_errors=True)
         finally:
             for p in proxies:
