@@ -52,9 +52,9 @@ from podtrain.ckpt.restore import Restored, Restorer, ResumeState, agreed, rank0
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
-from podtrain.ckpt.statedict import is_dtensor, local_pieces, mesh_record, named_state
+from podtrain.ckpt.statedict import config_json, named_state, save_layout
 from podtrain.ckpt.store import open_store
-from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress, tensor_table
+from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
@@ -272,9 +272,19 @@ class Checkpointer:
             else:
                 self._last_step = step
                 self._pending = job
-            (self._local_writer if local else self._writer).submit(job)  # first: the writer drains slabs while the copies fill them
-            if job.stream is not None:
-                job.stream.produce(self.ctx.device, self._fence)
+            writer = self._local_writer if local else self._writer
+            # A stream larger than the free slabs needs the writer draining them while the copies
+            # fill them: it starts first. One that fits is staged first: the writer's start (its
+            # storage requests, Python) would only contend with the copies for the GIL.
+            staged_first = job.stream is not None and job.stream.fits_free()
+            if not staged_first:
+                writer.submit(job)
+            try:
+                if job.stream is not None:
+                    job.stream.produce(self.ctx.device, self._fence)
+            finally:
+                if staged_first:
+                    writer.submit(job)  # after a failed copy too: the writer ends the job with it
         finally:
             if replicator is not None and not handed_over:
                 replicator.resume()
@@ -428,17 +438,19 @@ class Checkpointer:
         job = SaveJob(step=step, rng=capture_rng(self.ctx.device), lineage=self.identity.record(), local=local)
         net = unwrap(model)
         named = named_state(net, optimizer)
-        pieces = local_pieces(named.tensors, self.ctx.rank, self.ctx.world_size)
-        job.pieces = [(n, start, t.numel()) for n, start, t in pieces]
-        job.strategy = "sharded" if any(is_dtensor(t) for t in named.tensors.values()) else "replicated"
+        # Names, shapes, dtypes and placements rarely change: their plan, table and mesh record
+        # are built once and reused (statedict.save_layout), so the loop only copies bytes.
+        plan = save_layout(named.tensors, self.ctx.rank, self.ctx.world_size)
+        pieces = plan.pieces(named.tensors)
+        job.pieces = [(n, start, count) for n, start, count, _ in plan.ranges]
+        job.strategy = plan.strategy
         if pieces:
             items = [(f"{n}[{start}:{start + t.numel()}]", t) for n, start, t in pieces]
             job.stream = SaveStream(self._local_pool if local else self._pool, {layout.rank_file(self.ctx.rank): items},
                                     deadline=deadline)
         if self.ctx.is_main:
             sink = job.small.__setitem__
-            job.tensors = tensor_table(named.tensors)
-            job.mesh = mesh_record(named.tensors)
+            job.tensors, job.mesh = plan.table, plan.mesh
             job.state_plain = {
                 "aliases": named.aliases,
                 "optimizer_values": to_plain(named.values, sink, "optimizer_values"),
@@ -447,8 +459,7 @@ class Checkpointer:
                 "train_state": to_plain({**train_state, "version": __version__,
                                          "world_size": self.ctx.world_size}, sink, "train_state"),
             }
-            config = getattr(net, "config", None)
-            job.model_config = config.to_json_string() if hasattr(config, "to_json_string") else None
+            job.model_config = config_json(getattr(net, "config", None))  # serialised once, reused
         return job
 
     @property

@@ -31,6 +31,33 @@ MIB = 1 << 20
 MAX_SLAB_BYTES = 64 * MIB
 # CPU sources are copied by a few threads in pieces of this size (numpy's memcpy drops the GIL).
 _CPU_PIECE = 8 * MIB
+# Unpinned slabs of a closed pool kept for the process's next pool, at most this many bytes: its
+# first save then copies into pages already mapped (a fresh slab pays a page fault per 4 KiB,
+# more than the copy itself). Pinned slabs need no such reserve: torch's caching host allocator
+# keeps them.
+RESERVE_BYTES = 256 * MIB
+_reserve: list[torch.Tensor] = []
+_reserve_lock = threading.Lock()
+
+
+def _reserved(slab_bytes: int) -> torch.Tensor | None:
+    """A kept unpinned slab of ``slab_bytes`` (None when there is none)."""
+    with _reserve_lock:
+        for i, slab in enumerate(_reserve):
+            if slab.numel() == slab_bytes:
+                return _reserve.pop(i)
+    return None
+
+
+def _keep(slabs: list[torch.Tensor]) -> None:
+    """Keep ``slabs`` (free, unpinned) for a later pool while the reserve has room."""
+    with _reserve_lock:
+        held = sum(s.numel() for s in _reserve)
+        for slab in slabs:
+            if held + slab.numel() > RESERVE_BYTES:
+                break
+            _reserve.append(slab)
+            held += slab.numel()
 
 
 def node_memory_bytes() -> int:
@@ -114,11 +141,18 @@ class StagingPool:
             if self._free:
                 slab = self._free.pop()
             else:
-                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
+                slab = None if self.pin else _reserved(self.slab_bytes)
+                if slab is None:
+                    slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
                 self._allocated += 1
             self._in_use += 1
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use * self.slab_bytes)
             return slab
+
+    def available_slabs(self) -> int:
+        """Slabs ``acquire`` hands out now without waiting (free, or still to allocate)."""
+        with self._cond:
+            return self.max_slabs - self._in_use
 
     def release(self, slab: torch.Tensor) -> None:
         """Give a slab back (its bytes may be overwritten at once)."""
@@ -133,24 +167,52 @@ class StagingPool:
             self._cond.notify_all()
 
     def copy_cpu(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """``np.copyto(dst, src)`` for each pair, split over a few threads (memcpy drops the GIL)."""
+        """``np.copyto(dst, src)`` for each pair, split over a few threads (memcpy drops the GIL).
+
+        The work is cut into at most ``threads`` batches of about equal bytes and the calling
+        thread copies one of them: one task per thread, not one per piece (a state of many small
+        tensors would otherwise pay a future and two GIL hand-offs per tensor on the step loop).
+        Below ``_CPU_PIECE`` bytes in all, the calling thread copies everything itself."""
         work = [(d[i:i + _CPU_PIECE], s[i:i + _CPU_PIECE])
                 for d, s in pieces for i in range(0, len(s), _CPU_PIECE)]
-        if self.threads > 1 and len(work) > 1:
-            if self._copier is None:
-                from concurrent.futures import ThreadPoolExecutor
+        total = sum(len(s) for _, s in work)
+        batches = min(self.threads, len(work), max(1, total // _CPU_PIECE))
+        if batches <= 1:
+            _copy_all(work)
+            return
+        if self._copier is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-                self._copier = ThreadPoolExecutor(self.threads, thread_name_prefix="podtrain-copy")
-            list(self._copier.map(lambda w: np.copyto(w[0], w[1]), work))
-        else:
-            for dst, src in work:
-                np.copyto(dst, src)
+            self._copier = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="podtrain-copy")
+        groups: list[list] = [[] for _ in range(batches)]
+        share, filled, g = -(-total // batches), 0, 0
+        for item in work:  # consecutive pieces, cut where a batch reaches its share
+            groups[g].append(item)
+            filled += len(item[1])
+            if filled >= share * (g + 1) and g < batches - 1:
+                g += 1
+        futures = [self._copier.submit(_copy_all, group) for group in groups[1:] if group]
+        _copy_all(groups[0])
+        for future in futures:
+            future.result()
 
     def close(self) -> None:
-        """Stop the copy threads (the slabs are freed with the pool)."""
+        """Stop the copy threads; the free unpinned slabs go to the process's reserve (at most
+        ``RESERVE_BYTES``) for the next pool, the others are freed with the pool."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        if not self.pin:
+            with self._cond:
+                free, self._free = self._free, []
+                self._allocated -= len(free)
+            _keep(free)
+
+
+def _copy_all(work: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto`` of each ``(dst, src)`` in ``work``, in order."""
+    for dst, src in work:
+        np.copyto(dst, src)
 
 
 def byte_array(t: torch.Tensor) -> np.ndarray:

@@ -191,6 +191,8 @@ class SaveStream:
         """Bytes copied into slabs so far (a file staged again counts again)."""
         self.hold_s = REPLAY_HOLD_S if hold_s is None else hold_s
         slabs = sum(-(-sum(s.nbytes for s in specs) // pool.slab_bytes) for specs in self.specs.values())
+        self.slabs = slabs
+        """Slabs one staging pass of every file takes."""
         self.replay = ONCE if not (REPLAY if replay is None else replay) else \
             KEEP if slabs <= pool.max_slabs else RESTAGE
 
@@ -198,6 +200,13 @@ class SaveStream:
     def nbytes(self) -> int:
         """Bytes of tensor data this stream carries (all files)."""
         return sum(s.nbytes for specs in self.specs.values() for s in specs)
+
+    def fits_free(self) -> bool:
+        """Whether one staging pass takes no more slabs than the pool can hand out now: the step
+        loop then stages everything without waiting for the writer to give a slab back, so the
+        writer may start after it (``Checkpointer.save``: its start, storage requests in Python,
+        would otherwise contend with the copies for the GIL)."""
+        return self.slabs <= self.pool.available_slabs()
 
     @property
     def replayable(self) -> bool:
@@ -244,19 +253,24 @@ class SaveStream:
                       number: int) -> str:
         cuda = device.type == "cuda"
         slab, fill, cpu_pieces, gpu_copies = None, 0, [], False
+        slab_np = None  # the slab's bytes as numpy (CPU sources): sliced per piece, no torch op per piece
         size = self.pool.slab_bytes
         for _, tensor in items:
             src = flat_bytes(tensor)
+            on_cpu = src.device.type == "cpu"
+            src_np = byte_array(src) if on_cpu else None
             pos, n = 0, src.numel()
             while pos < n:
                 if slab is None:
                     slab = self._acquire(file, number)
                     if slab is None:
                         return self._state(file, number)
-                    fill = 0
+                    fill, slab_np = 0, None
                 k = min(n - pos, size - fill)
-                if src.device.type == "cpu":
-                    cpu_pieces.append((byte_array(slab[fill:fill + k]), byte_array(src[pos:pos + k])))
+                if on_cpu:
+                    if slab_np is None:
+                        slab_np = byte_array(slab)
+                    cpu_pieces.append((slab_np[fill:fill + k], src_np[pos:pos + k]))
                 else:
                     slab[fill:fill + k].copy_(src[pos:pos + k], non_blocking=True)
                     gpu_copies = True

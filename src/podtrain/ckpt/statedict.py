@@ -12,6 +12,8 @@ non-tensor optimizer values (learning rate, betas per parameter) go to JSON.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from podtrain.ckpt.plan import assign_replicas, shard_range, split_even
+from podtrain.ckpt.tensorio import DTYPE_NAMES
 
 
 def _options():
@@ -138,11 +141,17 @@ def apply_state(net: nn.Module, optimizer: torch.optim.Optimizer, state: NamedSt
         optimizer.state.clear()  # saved before the first step: it restarts empty, as it did then
 
 
+_DTENSOR: type | None = None
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (an FSDP2/HSDP shard)."""
-    from torch.distributed.tensor import DTensor
+    global _DTENSOR
+    if _DTENSOR is None:  # imported once: a save asks this of every tensor
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
 def _replicate_dims(t: Any) -> list[int]:
@@ -260,3 +269,102 @@ def local_pieces(tensors: dict[str, torch.Tensor], rank: int, world: int) -> lis
     for name, start, count in plain_plan(tensors, world)[rank]:
         out.append((name, start, flat_local(tensors[name])[start:start + count]))
     return out
+
+
+def tensor_table(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """``{name: {"shape": [...], "dtype": "F32", "rule": ...}}`` of the whole tensors (DTensors:
+    global shape), with how each is split over the ranks that write it (``split_rule``)."""
+    groups = replica_groups(tensors)
+    return {n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], **split_rule(t, groups.get(n, 0))}
+            for n, t in tensors.items()}
+
+
+@dataclass(frozen=True)
+class SaveLayout:
+    """What a save derives from its tensors' names, shapes, dtypes, types and placements alone,
+    computed once and reused by later saves while these are unchanged (``save_layout``): the
+    step loop then only copies bytes. Shared between saves: never mutate its fields."""
+
+    ranges: tuple[tuple[str, int, int, bool], ...]
+    """What this rank writes, in order: ``(name, first element, count, whole local shard)``."""
+    strategy: str
+    """``"sharded"`` when any tensor is a DTensor, else ``"replicated"``."""
+    table: dict[str, dict]
+    """The manifest's tensor table (``tensor_table``)."""
+    mesh: dict[str, Any] | None
+    """The manifest's mesh record (``mesh_record``)."""
+
+    def pieces(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+        """``local_pieces`` of ``tensors`` (the tensors this layout was made for): live views."""
+        out = []
+        for name, start, count, whole in self.ranges:
+            flat = flat_local(tensors[name])
+            out.append((name, start, flat if whole else flat[start:start + count]))
+        return out
+
+
+_LAYOUTS: dict[tuple, SaveLayout] = {}
+_LAYOUTS_KEPT = 4  # a durable and a local tier share one; a few more for tests and tools
+
+
+def _signature(name: str, t: torch.Tensor) -> tuple:
+    """Everything of ``t`` a ``SaveLayout`` depends on: a tensor whose dtype, shape, type (FP8
+    and other tensor subclasses), placements or mesh change gets a new layout."""
+    if is_dtensor(t):
+        return name, t.dtype, t.shape, type(t), tuple(t.placements), t.device_mesh
+    return name, t.dtype, t.shape, type(t)
+
+
+def save_layout(tensors: dict[str, torch.Tensor], rank: int, world: int) -> SaveLayout:
+    """The ``SaveLayout`` of ``tensors`` as ``rank`` of ``world`` saves them: built on a save
+    whose tensors (names, order, dtypes, shapes, types, placements) or world differ from every
+    layout kept, else the one built before (a save loop's steady state builds none)."""
+    key = (rank, world, tuple(_signature(n, t) for n, t in tensors.items()))
+    try:
+        layout = _LAYOUTS.get(key)
+    except TypeError:  # an unhashable mesh or shape: build it every time
+        return _build_layout(tensors, rank, world)
+    if layout is None:
+        layout = _build_layout(tensors, rank, world)
+        while len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _build_layout(tensors: dict[str, torch.Tensor], rank: int, world: int) -> SaveLayout:
+    ranges = tuple((name, start, piece.numel(), is_dtensor(tensors[name]))
+                   for name, start, piece in local_pieces(tensors, rank, world))
+    return SaveLayout(ranges=ranges,
+                      strategy="sharded" if any(is_dtensor(t) for t in tensors.values()) else "replicated",
+                      table=tensor_table(tensors), mesh=mesh_record(tensors))
+
+
+_CONFIGS: dict[int, tuple[Any, type, dict, str]] = {}
+_CONFIGS_KEPT = 4
+
+
+def config_json(config: Any) -> str | None:
+    """``config.to_json_string()`` (a Hugging Face model config; None without one), serialised on
+    the first save and reused while the config object and its attributes are unchanged (its
+    ``to_diff_dict`` builds a default config each time: most of a millisecond per save on the
+    step loop). Attributes are compared with a deep copy taken when it was serialised."""
+    if not hasattr(config, "to_json_string"):
+        return None
+    hit = _CONFIGS.get(id(config))
+    if hit is not None and hit[0]() is config and hit[1] is type(config):
+        try:
+            if config.__dict__ == hit[2]:
+                return hit[3]
+        except Exception:  # an attribute whose == is not a bool: serialise every time
+            pass
+    text = config.to_json_string()
+    try:
+        entry = (weakref.ref(config), type(config), copy.deepcopy(config.__dict__), text)
+    except Exception:  # not weakly referable or not copyable: serialise every time
+        return text
+    _CONFIGS.pop(id(config), None)
+    while len(_CONFIGS) >= _CONFIGS_KEPT:
+        _CONFIGS.pop(next(iter(_CONFIGS)))
+    _CONFIGS[id(config)] = entry
+    return text

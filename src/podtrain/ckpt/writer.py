@@ -58,8 +58,8 @@ from podtrain.ckpt import layout, local_tier, replicas, sidecar
 from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.replicator import Replicator
 from podtrain.ckpt.staging import SaveStream
-from podtrain.ckpt.statedict import replica_groups, split_rule
-from podtrain.ckpt.tensorio import DTYPE_NAMES, encode_small, write_pieces
+from podtrain.ckpt.statedict import tensor_table  # noqa: F401 - re-exported (it lived here)
+from podtrain.ckpt.tensorio import encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.distributed.side_group import new_side_group, release_side_group
@@ -482,9 +482,3 @@ class CheckpointWriter:
         return box[0]
 
 
-def tensor_table(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """``{name: {"shape": [...], "dtype": "F32", "rule": ...}}`` of the whole tensors (DTensors:
-    global shape), with how each is split over the ranks that write it (``statedict.split_rule``)."""
-    groups = replica_groups(tensors)
-    return {n: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], **split_rule(t, groups.get(n, 0))}
-            for n, t in tensors.items()}
