@@ -393,68 +393,58 @@ def start_pods(tmp_path: Path, job: dict, config_text: str, count: int) -> list[
 
 
 @pytest.mark.e2e
-def test_worker_command_from_manifest_trains_in_two_pods(tmp_path):
+def test_worker_command_from_manifest_trains_in_two_pods_then_exits_143_after_sigterm_and_2_on_a_config_mistake(
+        tmp_path):
+    """Two pods (one rank each) run the manifest's container command and train together; then
+    Kubernetes deletes them (SIGTERM to each container's PID 1): the agent in the command turns the
+    workers' reports into the container's exit status, 143 with a checkpoint, where torchrun alone
+    would exit 1 (ExitCode restarts 143, not 2). One pair of pods serves both cases (the stop was a
+    training of its own: ~20 s of CPU)."""
     data = prepare_data(tmp_path / "data")
     mount = tmp_path / "fsx"  # stands for the shared claim, mounted at the same path in each pod
     config_map, job = generate(tmp_path, "--nodes", "2", "--gpus-per-node", "0",
                                "--nproc-per-node", "1", "--image", IMAGE, "--pvc", "shared",
                                "--mount", str(mount), "--join-timeout", "60",
-                               overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=4",
-                                          "run.dir=runs/k8s", "train.global_batch_size=8"))
+                               overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=2000",
+                                          "run.dir=runs/k8s", "train.global_batch_size=8", "ckpt.every=1000"))
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
+    run_dir = mount / "runs" / "k8s"
     pods = start_pods(tmp_path, job, config_map["data"]["config.yaml"], 2)
     outputs = []
     try:
+        deadline = time.monotonic() + 150
+        while len(read_metrics(run_dir)) < 3 and all(p.poll() is None for p in pods) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(p.poll() is None for p in pods), "\n".join(p.communicate()[1][-2000:] for p in pods)
         for pod in pods:
-            outputs.append("".join(pod.communicate(timeout=150)))
+            pod.send_signal(signal.SIGTERM)  # what the kubelet sends each container's PID 1
+        for pod in pods:
+            outputs.append(pod.communicate(timeout=120))
     finally:
         for pod in pods:
             if pod.poll() is None:
                 pod.kill()
                 pod.wait()
-    assert [p.returncode for p in pods] == [0, 0], "\n".join(o[-2000:] for o in outputs)
-    run_dir = mount / "runs" / "k8s"
+    errs = [err for _, err in outputs]
+    assert [p.returncode for p in pods] == [143, 143], "\n".join(e[-2000:] for e in errs)
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["world_size"] == 2 for r in records)
-    assert all(math.isfinite(r["loss"]) for r in records)
-
-
-@pytest.mark.e2e
-def test_container_command_exits_143_after_sigterm_with_a_checkpoint_and_2_on_a_config_mistake(tmp_path):
-    """Kubernetes sees the container's exit status: the agent in the manifest's command turns the
-    workers' reports into it, where torchrun alone would exit 1 (ExitCode restarts 143, not 2)."""
-    data = prepare_data(tmp_path / "data")
-    mount = tmp_path / "fsx"
-    config_map, job = generate(tmp_path, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node",
-                               "2", "--image", IMAGE, "--pvc", "shared", "--mount", str(mount),
-                               overrides=(f"data.path={data}", *TINY_TRAINING, "train.steps=2000",
-                                          "run.dir=runs/k8s", "ckpt.every=1000"))
-    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "ExitCode"
-    run_dir = mount / "runs" / "k8s"
-    (pod,) = start_pods(tmp_path, job, config_map["data"]["config.yaml"], 1)
-    try:
-        deadline = time.monotonic() + 120
-        while len(read_metrics(run_dir)) < 2 and pod.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pod.poll() is None, pod.communicate()[1][-3000:]
-        pod.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1
-        out, err = pod.communicate(timeout=120)
-    finally:
-        if pod.poll() is None:
-            pod.kill()
-            pod.wait()
-    assert pod.returncode == 143, err[-3000:]
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
+    assert all(r["world_size"] == 2 and math.isfinite(r["loss"]) for r in records)
     step = layout.parse_step((run_dir / "ckpt" / "latest").read_text().strip())
-    assert 2 <= step < 2000
+    assert 3 <= step < 2000 and step == steps[-1]
     verdict = verify(run_dir / "ckpt" / layout.step_name(step))
     assert verdict.ok, verdict.reason
-    own = [line for line in err.splitlines() if line.startswith("podtrain:")]
-    assert own == [f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} "
-                   "saved; run the same command to resume"], err[-3000:]
-    assert "Traceback" not in out + err, err[-3000:]
+    for out, err in outputs:  # each pod's container says how its part of the job ended
+        own = [line for line in err.splitlines() if line.startswith("podtrain:")]
+        assert own == [f"podtrain: stopped by SIGTERM at step {step}, checkpoint {layout.step_name(step)} "
+                       "saved; run the same command to resume"], err[-3000:]
+        assert "Traceback" not in out + err, err[-3000:]
     assert list((run_dir / "logs").glob("torchrun_*.log")), "torchrun's own lines were not kept"
 
     # A mistake in the ConfigMap: one line naming it, exit 2, before torchrun starts.
     broken = config_map["data"]["config.yaml"].replace("lr: 0.003", "lr: fast")
+    assert broken != config_map["data"]["config.yaml"]
     (pod,) = start_pods(tmp_path, job, broken, 1)
     out, err = pod.communicate(timeout=60)
     assert pod.returncode == 2, err

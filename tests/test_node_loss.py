@@ -90,9 +90,16 @@ def finish_agents(procs: list[subprocess.Popen], timeout: float = 180) -> list[t
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("replacement_addr,replacement_rank", [("127.0.0.3", 1), ("127.0.0.1", 0)])
+@pytest.mark.parametrize("replacement_addr,replacement_rank", [("127.0.0.1", 0)])
 def test_a_replaced_node_resumes_from_its_peers_replica_with_no_durable_read(
         resume_golden, tmp_path, replacement_addr, replacement_rank):
+    """The replacement sorts first (127.0.0.1): it becomes rank 0 and the survivor, which was rank 0,
+    serves rank 1 from its replica while sending its own old pieces (rank 0's) to the replacement:
+    the ranks move between hosts, the harder of the two orders. The other order (the replacement
+    joins as node 1 again, its rank's pieces from the survivor's replica) ran here too, ~35-65 s of
+    CPU for the same torchrun path (agent killed, rendezvous with a replacement, restart, no durable
+    read, golden weights); its restore is asserted, bit for bit with the byte counts, on real gloo
+    ranks by test_peer_replicas.py::test_replicas_ring_and_restore_from_peers_in_either_rendezvous_order."""
     repo, data, run_dir = resume_golden["repo"], resume_golden["data"], tmp_path / "run"
     port = free_port()
     survivor_dir, lost_dir = tmp_path / "nodeA", tmp_path / "nodeB"
