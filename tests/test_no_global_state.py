@@ -39,6 +39,9 @@ ALLOWED = {
     # A ProcessPoolExecutor worker's own encoder, built once by the pool's initializer inside the
     # worker process (which the pool owns and ends); the main process never reads or writes it.
     ("data/prepare/encode.py", "global", "_worker_encoder"),
+    # The DTensor class, imported once on first use (a save asks is_dtensor of every tensor): a
+    # class, not a resource, and it cannot change within a process.
+    ("ckpt/statedict.py", "global", "_DTENSOR"),
     # Memoised facts, not resources: whether this torch's fused optimizer class honours found_inf
     # on a device (a bool, probed once: it cannot change within a process) ...
     ("train/skip.py", "memo", "_honours_found_inf"),

@@ -52,7 +52,7 @@ from podtrain.ckpt.restore import Restored, Restorer, ResumeState, agreed, rank0
 from podtrain.ckpt.host_buffers import StagingPool, staging_budget_bytes
 from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
-from podtrain.ckpt.statedict import config_json, named_state, save_layout
+from podtrain.ckpt.statedict import SaveCache, named_state
 from podtrain.ckpt.store import open_store
 from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress
 from podtrain.config_sections import CkptSection
@@ -114,6 +114,7 @@ class Checkpointer:
         self.cfg = cfg
         self.ctx = ctx
         self._lease: Lease | None = None
+        self._save_cache = SaveCache()  # the layout and config JSON later saves of this run reuse
         self.identity: RunIdentity = rank0_decides(self.ctx, self._establish)
         """This run's lineage and checkpoint location (the same on every rank)."""
         try:
@@ -439,8 +440,8 @@ class Checkpointer:
         net = unwrap(model)
         named = named_state(net, optimizer)
         # Names, shapes, dtypes and placements rarely change: their plan, table and mesh record
-        # are built once and reused (statedict.save_layout), so the loop only copies bytes.
-        plan = save_layout(named.tensors, self.ctx.rank, self.ctx.world_size)
+        # are built once and reused (``self._save_cache``), so the loop only copies bytes.
+        plan = self._save_cache.layout(named.tensors, self.ctx.rank, self.ctx.world_size)
         pieces = plan.pieces(named.tensors)
         job.pieces = [(n, start, count) for n, start, count, _ in plan.ranges]
         job.strategy = plan.strategy
@@ -459,7 +460,7 @@ class Checkpointer:
                 "train_state": to_plain({**train_state, "version": __version__,
                                          "world_size": self.ctx.world_size}, sink, "train_state"),
             }
-            job.model_config = config_json(getattr(net, "config", None))  # serialised once, reused
+            job.model_config = self._save_cache.config_json(getattr(net, "config", None))  # serialised once, reused
         return job
 
     @property

@@ -31,35 +31,6 @@ MIB = 1 << 20
 MAX_SLAB_BYTES = 64 * MIB
 # CPU sources are copied by a few threads in pieces of this size (numpy's memcpy drops the GIL).
 _CPU_PIECE = 8 * MIB
-# Unpinned slabs of a closed pool kept for the process's next pool, at most this many bytes: its
-# first save then copies into pages already mapped (a fresh slab pays a page fault per 4 KiB,
-# more than the copy itself). Pinned slabs need no such reserve: torch's caching host allocator
-# keeps them.
-RESERVE_BYTES = 256 * MIB
-_reserve: list[torch.Tensor] = []
-_reserve_lock = threading.Lock()
-
-
-def _reserved(slab_bytes: int) -> torch.Tensor | None:
-    """A kept unpinned slab of ``slab_bytes`` (None when there is none)."""
-    with _reserve_lock:
-        for i, slab in enumerate(_reserve):
-            if slab.numel() == slab_bytes:
-                return _reserve.pop(i)
-    return None
-
-
-def _keep(slabs: list[torch.Tensor]) -> None:
-    """Keep ``slabs`` (free, unpinned) for a later pool while the reserve has room."""
-    with _reserve_lock:
-        held = sum(s.numel() for s in _reserve)
-        for slab in slabs:
-            if held + slab.numel() > RESERVE_BYTES:
-                break
-            _reserve.append(slab)
-            held += slab.numel()
-
-
 def node_memory_bytes() -> int:
     """This node's memory as its processes see it: ``MemTotal``, capped by a cgroup limit."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -141,9 +112,7 @@ class StagingPool:
             if self._free:
                 slab = self._free.pop()
             else:
-                slab = None if self.pin else _reserved(self.slab_bytes)
-                if slab is None:
-                    slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
+                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
                 self._allocated += 1
             self._in_use += 1
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use * self.slab_bytes)
@@ -197,16 +166,10 @@ class StagingPool:
             future.result()
 
     def close(self) -> None:
-        """Stop the copy threads; the free unpinned slabs go to the process's reserve (at most
-        ``RESERVE_BYTES``) for the next pool, the others are freed with the pool."""
+        """Stop the copy threads (the slabs are freed with the pool)."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
-        if not self.pin:
-            with self._cond:
-                free, self._free = self._free, []
-                self._allocated -= len(free)
-            _keep(free)
 
 
 def _copy_all(work: list[tuple[np.ndarray, np.ndarray]]) -> None:

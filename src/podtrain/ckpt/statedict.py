@@ -282,7 +282,7 @@ def tensor_table(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
 @dataclass(frozen=True)
 class SaveLayout:
     """What a save derives from its tensors' names, shapes, dtypes, types and placements alone,
-    computed once and reused by later saves while these are unchanged (``save_layout``): the
+    computed once and reused by later saves while these are unchanged (``SaveCache.layout``): the
     step loop then only copies bytes. Shared between saves: never mutate its fields."""
 
     ranges: tuple[tuple[str, int, int, bool], ...]
@@ -303,33 +303,12 @@ class SaveLayout:
         return out
 
 
-_LAYOUTS: dict[tuple, SaveLayout] = {}
-_LAYOUTS_KEPT = 4  # a durable and a local tier share one; a few more for tests and tools
-
-
 def _signature(name: str, t: torch.Tensor) -> tuple:
     """Everything of ``t`` a ``SaveLayout`` depends on: a tensor whose dtype, shape, type (FP8
     and other tensor subclasses), placements or mesh change gets a new layout."""
     if is_dtensor(t):
         return name, t.dtype, t.shape, type(t), tuple(t.placements), t.device_mesh
     return name, t.dtype, t.shape, type(t)
-
-
-def save_layout(tensors: dict[str, torch.Tensor], rank: int, world: int) -> SaveLayout:
-    """The ``SaveLayout`` of ``tensors`` as ``rank`` of ``world`` saves them: built on a save
-    whose tensors (names, order, dtypes, shapes, types, placements) or world differ from every
-    layout kept, else the one built before (a save loop's steady state builds none)."""
-    key = (rank, world, tuple(_signature(n, t) for n, t in tensors.items()))
-    try:
-        layout = _LAYOUTS.get(key)
-    except TypeError:  # an unhashable mesh or shape: build it every time
-        return _build_layout(tensors, rank, world)
-    if layout is None:
-        layout = _build_layout(tensors, rank, world)
-        while len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[key] = layout
-    return layout
 
 
 def _build_layout(tensors: dict[str, torch.Tensor], rank: int, world: int) -> SaveLayout:
@@ -340,31 +319,54 @@ def _build_layout(tensors: dict[str, torch.Tensor], rank: int, world: int) -> Sa
                       table=tensor_table(tensors), mesh=mesh_record(tensors))
 
 
-_CONFIGS: dict[int, tuple[Any, type, dict, str]] = {}
-_CONFIGS_KEPT = 4
+class SaveCache:
+    """What a save computes that the next saves of the same run reuse, owned by the run's
+    ``Checkpointer`` (its lifetime): the ``SaveLayout`` of the state's tensors and the model
+    config's JSON. A save loop's steady state builds neither."""
 
+    KEPT = 4  # a durable and a local tier share one layout; a few more for tests and tools
 
-def config_json(config: Any) -> str | None:
-    """``config.to_json_string()`` (a Hugging Face model config; None without one), serialised on
-    the first save and reused while the config object and its attributes are unchanged (its
-    ``to_diff_dict`` builds a default config each time: most of a millisecond per save on the
-    step loop). Attributes are compared with a deep copy taken when it was serialised."""
-    if not hasattr(config, "to_json_string"):
-        return None
-    hit = _CONFIGS.get(id(config))
-    if hit is not None and hit[0]() is config and hit[1] is type(config):
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, SaveLayout] = {}
+        self._configs: dict[int, tuple[Any, type, dict, str]] = {}
+
+    def layout(self, tensors: dict[str, torch.Tensor], rank: int, world: int) -> SaveLayout:
+        """The ``SaveLayout`` of ``tensors`` as ``rank`` of ``world`` saves them: built on a save
+        whose tensors (names, order, dtypes, shapes, types, placements) or world differ from every
+        layout kept, else the one built before."""
+        key = (rank, world, tuple(_signature(n, t) for n, t in tensors.items()))
         try:
-            if config.__dict__ == hit[2]:
-                return hit[3]
-        except Exception:  # an attribute whose == is not a bool: serialise every time
-            pass
-    text = config.to_json_string()
-    try:
-        entry = (weakref.ref(config), type(config), copy.deepcopy(config.__dict__), text)
-    except Exception:  # not weakly referable or not copyable: serialise every time
+            layout = self._layouts.get(key)
+        except TypeError:  # an unhashable mesh or shape: build it every time
+            return _build_layout(tensors, rank, world)
+        if layout is None:
+            layout = _build_layout(tensors, rank, world)
+            while len(self._layouts) >= self.KEPT:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout
+
+    def config_json(self, config: Any) -> str | None:
+        """``config.to_json_string()`` (a Hugging Face model config; None without one), serialised
+        on the first save and reused while the config object and its attributes are unchanged (its
+        ``to_diff_dict`` builds a default config each time: most of a millisecond per save on the
+        step loop). Attributes are compared with a deep copy taken when it was serialised."""
+        if not hasattr(config, "to_json_string"):
+            return None
+        hit = self._configs.get(id(config))
+        if hit is not None and hit[0]() is config and hit[1] is type(config):
+            try:
+                if config.__dict__ == hit[2]:
+                    return hit[3]
+            except Exception:  # an attribute whose == is not a bool: serialise every time
+                pass
+        text = config.to_json_string()
+        try:
+            entry = (weakref.ref(config), type(config), copy.deepcopy(config.__dict__), text)
+        except Exception:  # not weakly referable or not copyable: serialise every time
+            return text
+        self._configs.pop(id(config), None)
+        while len(self._configs) >= self.KEPT:
+            self._configs.pop(next(iter(self._configs)))
+        self._configs[id(config)] = entry
         return text
-    _CONFIGS.pop(id(config), None)
-    while len(_CONFIGS) >= _CONFIGS_KEPT:
-        _CONFIGS.pop(next(iter(_CONFIGS)))
-    _CONFIGS[id(config)] = entry
-    return text
