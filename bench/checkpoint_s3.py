@@ -8,9 +8,10 @@ preset's weights and AdamW state (a replicated model, as under DDP), and each ro
 systems, in alternating order:
 
 * podtrain: ``Checkpointer`` with ``ckpt.dir=s3://...`` at its DEFAULTS (async save, keep_last 3),
-  inside ``shared_s3_clients()`` as ``podtrain train`` runs it: ``save`` (the step loop is blocked
+  inside ``shared_s3_clients()`` as ``podtrain train`` runs it, one per rank for every round as a
+  run keeps one (the warm-up round is the run's first save): ``save`` (the step loop is blocked
   until it returns: host copy), ``wait`` (pieces uploaded, CRCs, manifest committed: durable) and
-  ``restore`` (ranged reads, CRCs checked, copied in);
+  its ``restore`` (ranged reads, CRCs checked, copied in: a rollback's path);
 * DCP: ``get_state_dict`` then ``torch.distributed.checkpoint.async_save`` with s3torchconnector's
   ``S3StorageWriter`` (the step loop is blocked until it returns: staging), its future's
   ``result()`` (``.metadata`` written: durable), and ``dcp.load`` with ``S3StorageReader`` +
@@ -91,35 +92,42 @@ def _podtrain(rank, world, model, opt, bucket, run_dir, step) -> dict:
         return _podtrain_rounds(rank, world, model, opt, bucket, run_dir, step)
 
 
+_RUNS: dict[int, object] = {}
+"""This forked rank's Checkpointer, one for every round as a training run keeps one: its later
+saves reuse what the first built (buffers, the layout, the config JSON), as a run's do."""
+
+
 def _podtrain_rounds(rank, world, model, opt, bucket, run_dir, step) -> dict:
     from multirank import gloo_context
 
     from podtrain.ckpt.checkpointer import Checkpointer
     from podtrain.config_sections import CkptSection
 
-    ctx = gloo_context()
-    ck = Checkpointer(Path(run_dir), CkptSection(dir=f"s3://{bucket}/podtrain-w{world}"), ctx)
-    try:
-        _barrier(world)
-        t0 = time.perf_counter()
-        ck.save(step, model, opt, None, {"step": step})
-        stall = _slowest(world, time.perf_counter() - t0)
-        ck.wait()
-        _barrier(world)
-        durable = time.perf_counter() - t0
-    finally:
-        ck.close()
-    ck = Checkpointer(Path(run_dir), CkptSection(dir=f"s3://{bucket}/podtrain-w{world}"), ctx)
-    try:
-        _barrier(world)
-        t0 = time.perf_counter()
-        state = ck.restore(model, opt, None)
-        _barrier(world)
-        load = time.perf_counter() - t0
-        assert state is not None and state.step == step, f"rank {rank}: podtrain restored {state}"
-    finally:
-        ck.close()
+    ck = _RUNS.get(world)
+    if ck is None:
+        ck = _RUNS[world] = Checkpointer(Path(run_dir), CkptSection(dir=f"s3://{bucket}/podtrain-w{world}"),
+                                         gloo_context())
+    _barrier(world)
+    t0 = time.perf_counter()
+    ck.save(step, model, opt, None, {"step": step})
+    stall = _slowest(world, time.perf_counter() - t0)
+    ck.wait()
+    _barrier(world)
+    durable = time.perf_counter() - t0
+    _barrier(world)
+    t0 = time.perf_counter()
+    state = ck.restore(model, opt, None)  # the run's own restore (a rollback's path): reads the newest save
+    _barrier(world)
+    load = time.perf_counter() - t0
+    assert state is not None and state.step == step, f"rank {rank}: podtrain restored {state}"
     return {"stall": stall, "durable": durable, "load": load}
+
+
+def _close_runs() -> None:
+    """Close this rank's Checkpointer (after the last round)."""
+    for ck in _RUNS.values():
+        ck.close()
+    _RUNS.clear()
 
 
 def _dcp(rank, world, model, opt, bucket, step, threads) -> dict:
@@ -174,6 +182,10 @@ def bench_rank(rank: int, world: int, preset: str, bucket: str, run_dir: str, ro
                 f"{f} podtrain {row['podtrain'][f]:.2f} s DCP {row['dcp'][f]:.2f} s" for f in FIGURES),
                 file=sys.stderr, flush=True)
         rows.append(row)
+    from podtrain.storage import shared_s3_clients
+
+    with shared_s3_clients():
+        _close_runs()
     return rows
 
 
