@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from podtrain.plan.memory import ModelShape
+from podtrain.plan.steptime import RECOMPUTE_SHARE, decoder_matmul_params
 
 # Largest forward + backward timed at full size (FLOPs of one layer, or of the ends): above it
 # fewer sequences are timed and scaled. ~1 s on one CPU core; a few ms on a GPU.
@@ -49,9 +50,6 @@ MAX_TIMED_FLOPS = 4e10
 MAX_SEQUENCE_FLOPS = 2e11
 MAX_MODEL_BYTES = 4 << 30
 TRIALS = 5
-# Fraction of a layer's forward + backward that recomputing its forward adds under activation
-# checkpointing (forward ~1/3 of forward + backward: the 4/3 of ``plan/steptime.py``).
-RECOMPUTE_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -112,7 +110,6 @@ class LayerTiming:
 
 def _sequence_flops(shape: ModelShape, seq_len: int) -> tuple[float, float]:
     """Training FLOPs of one sequence through one layer and through the ends (LM head)."""
-    from podtrain.plan.steptime import decoder_matmul_params
 
     layer = 6.0 * seq_len * decoder_matmul_params(shape) + 12.0 * shape.attn_width * seq_len * seq_len / 2
     return layer, 6.0 * seq_len * shape.hidden * shape.vocab

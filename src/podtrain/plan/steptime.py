@@ -146,6 +146,11 @@ def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
     return max(comm_s / pieces, comm_s - hiding_s * (pieces - 1) / pieces)
 
 
+RECOMPUTE_SHARE = 1 / 3
+"""Activation checkpointing runs each layer's forward again in the backward: a third more of a
+layer's forward + backward (the backward costs twice the forward)."""
+
+
 def decoder_matmul_params(shape: ModelShape) -> int:
     """Weights of one decoder layer's linear layers (q, k, v, output; the MLP's two or three)."""
     h, a, kv, inter = shape.hidden, shape.attn_width, shape.kv_width, shape.intermediate
@@ -156,10 +161,8 @@ def compute_split(shape: ModelShape, work: Workload, sustained_flops: float,
                   timing: LayerTiming | None) -> tuple[float, float, float]:
     """Seconds per step of the decoder matmuls, attention and the rest: measured per micro-batch
     x micro-batches when ``timing`` is given, else the FLOPs of each / ``sustained_flops``."""
-    recompute = 4 / 3 if work.checkpointing else 1
+    recompute = 1 + RECOMPUTE_SHARE if work.checkpointing else 1
     if timing is not None:
-        from podtrain.plan.layertime import RECOMPUTE_SHARE
-
         scale = work.accum * (1 + RECOMPUTE_SHARE if work.checkpointing else 1)
         attention = timing.layers * timing.attention_s * scale
         matmul = timing.layers * max(0.0, timing.layer_s - timing.attention_s) * scale
