@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, args, mode: str, out) -> None:
             dist.barrier()
         t0 = time.perf_counter()
         state = ck.restore(model, opt, None)
-        result = (time.perf_counter() - t0, ck.bytes_read, state.step)
+        result = (time.perf_counter() - t0, ck.restored.bytes_read, state.step)
     ck.close()
     if world > 1:
         dist.destroy_process_group()

@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 
 from podtrain.ckpt.checkpointer import Checkpointer
-from podtrain.ckpt.statedict import local_pieces, named_state
-from podtrain.ckpt.writer import tensor_table
+from podtrain.ckpt.statedict import local_pieces, named_state, tensor_table
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.env import ClusterEnv
 from podtrain.distributed.group import DistContext

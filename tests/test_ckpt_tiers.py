@@ -84,7 +84,7 @@ def _resume_rank(rank, world, base):
     _train(net, opt, 99)  # anything but the saved state
     ck = Checkpointer(Path(base) / "run", _cfg(base, rank), _ctx())
     state = ck.restore(net, opt, None)
-    bytes_read = ck.bytes_read
+    bytes_read = ck.restored.bytes_read
     ck.close()
     return state.step, state.path, _weights(net), bytes_read
 
@@ -126,8 +126,11 @@ def test_local_tier_resumes_the_newest_step_every_rank_holds_else_the_durable_on
 
 
 def test_newest_common_local_step_and_tier_config_errors():
-    assert local_tier.newest_common([[3, 4, 5], [4, 5], [5, 4]]) == 5
-    assert local_tier.newest_common([[3, 4], [5]]) is None
+    from podtrain.ckpt.restore import newest_held_by_all  # (several ranks: tests/test_collective_bytes.py)
+
+    one = DistContext(env=ClusterEnv.detect({}), backend="gloo", device=torch.device("cpu"), initialized=False)
+    assert newest_held_by_all(one, [(3, "a"), (5, "c"), (4, "b")]) == (5, "c")
+    assert newest_held_by_all(one, []) is None
     for bad, message in ((["ckpt.local_dir=/dev/shm/x"], "go together"),
                          (["ckpt.local_dir=s3://b/x", "ckpt.local_every=5"], "node-local path"),
                          (["ckpt.local_dir=/x", "ckpt.local_every=5", "ckpt.local_keep=0"], "at least 1"),

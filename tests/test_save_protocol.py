@@ -105,6 +105,21 @@ def test_a_failure_after_the_commit_never_deletes_the_checkpoint(tmp_path, monke
         again.close()
 
 
+@pytest.mark.parametrize("match,phase", [("meta_00000.json", "write"), ("step_000001/manifest.json", "commit")],
+                         ids=["sidecar", "manifest"])
+def test_a_failed_save_names_its_phase_and_leaves_no_step(tmp_path, monkeypatch, match, phase):
+    seen = _fail_calls(monkeypatch, "write_bytes", match, OSError(28, "No space left on device (injected)"))
+    model, opt = tiny()
+    ck = Checkpointer(tmp_path, CkptSection(async_save=False), single_ctx())
+    try:
+        with pytest.raises(SaveFailed, match=rf"step 1 failed at its {phase} \(rank 0 on .*No space left on device"):
+            ck.save(1, model, opt, None, state(1))
+    finally:
+        ck.close()
+    assert seen == [match if "/" in match else f"step_000001/{match}"]
+    assert not (tmp_path / "ckpt" / "step_000001").exists()  # a failure before the commit leaves nothing
+
+
 def test_a_bucket_that_denies_deletes_commits_every_save_and_says_it_once(tmp_path, s3_proxy, s3_bucket):
     s3_proxy.fail_with(403, "AccessDenied", "Access Denied")
     s3_proxy.fail_only(None, methods=("DELETE",))

@@ -6,31 +6,18 @@ background, verified as they are read; auto-resume with a collective fallback.
     ckpt = Checkpointer(run_dir, cfg.ckpt, ctx)            # every rank
     state = ckpt.restore(model, optimizer, scaler)          # every rank; a ResumeState, or None
     ...                                                     # the loop applies state (step, data, rng)
-    if ckpt.should_save(step, total):
+    if saves.should_save(step, total):                      # interval.SaveSchedule
         ckpt.save(step, model, optimizer, scaler, train_state)   # every rank, same step
     if ckpt.failed: ckpt.wait()                             # raises SaveFailed (agreed at a step boundary)
     ckpt.close()                                            # every exit path
 
-What a checkpoint holds (``podtrain.ckpt.layout`` shows the files): the unwrapped model weights
-and the optimizer state by parameter NAME (``podtrain.ckpt.statedict``), the GradScaler state,
-each rank's RNG states (in its sidecar), the loop's train state, the model config. Nothing is pickled.
-
-Saving: every rank computes the same plan of who writes what (``podtrain.ckpt.plan``: FSDP/HSDP
-shards by their holder, whole tensors split ~1/N per rank), copies its share into the host slabs
-of its ``StagingPool`` (on a GPU on a side stream that only the next optimizer step waits for:
-``staging.CopyFence``) and the background writer streams them into its own file; rank 0 commits
-the manifest and then ``latest`` (``podtrain.ckpt.writer``). A failed save (no space...) removes
-its files and fails every rank's job alike: the loop stops at the next step boundary.
-
-Tiers: ``ckpt.dir`` (a shared directory or ``s3://``) is the durable tier; ``ckpt.local_dir``
-adds a node-local one, saved every ``ckpt.local_every`` steps (``podtrain.ckpt.local_tier``). A
-restart takes the newest local step every rank holds when it is at least as new as the newest
-durable checkpoint, else the durable tier.
-
-Resuming (``podtrain.ckpt.restore``: the ``Restorer`` this class owns): rank 0 alone lists the
-checkpoints and picks the newest whose manifest is complete and whose files have their sizes (no data read) and broadcasts the manifest; every rank then reads and
-verifies only its share (``podtrain.ckpt.load``). When any rank finds a bad block, all ranks learn
-it (one all_gather) and fall back to the previous checkpoint together.
+What a checkpoint holds: ``podtrain.ckpt.layout``. A save copies this rank's share (``plan``) into
+its ``StagingPool``'s host slabs (on a GPU on a side stream that only the next optimizer step waits
+for: ``staging.CopyFence``), and the background writer runs the save's phases
+(``podtrain.ckpt.writer``). ``ckpt.dir`` (a shared directory or ``s3://``) is the durable tier;
+``ckpt.local_dir`` adds a node-local one, saved every ``ckpt.local_every`` steps
+(``podtrain.ckpt.local_tier``). Resuming is the ``Restorer``'s (``podtrain.ckpt.restore``), which
+this class owns and gives its stores, identity and writers' groups.
 """
 
 from __future__ import annotations
@@ -80,17 +67,6 @@ class StorageOutage(Transient):
 
 # The package's one logger name, whichever module logs (users filter on it).
 log = logging.getLogger("podtrain.checkpoint")
-
-
-def _inside(url: str, run_dir: Path) -> bool:
-    """Whether checkpoint location ``url`` lies inside ``run_dir`` (one lease covers both)."""
-    if "://" in url:
-        return False
-    try:
-        Path(url).resolve().relative_to(run_dir.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def expand_local_dir(local_dir: str, ctx: DistContext) -> str:
@@ -174,8 +150,9 @@ class Checkpointer:
         try:
             configured = layout.ckpt_url(self.run_dir, self.cfg.dir)
             identity = lineage.establish(self.run_dir, configured, fresh_start=self.cfg.resume == "never")
-            self._lease.set_lineage(identity.lineage)
-            if not _inside(identity.ckpt_url, self.run_dir):
+            self._lease.record.lineage = identity.lineage  # the lease names the run from the next renewal on
+            url = identity.ckpt_url  # outside the run directory, the checkpoints need a lease of their own
+            if "://" in url or not Path(url).resolve().is_relative_to(self.run_dir.resolve()):
                 self._lease.extend(lease_store(identity.ckpt_url))
         except BaseException:
             self._lease.release()
@@ -209,16 +186,7 @@ class Checkpointer:
         """The last ``restore``: seconds, the tier, bytes by source summed over the ranks."""
         return self.restored.budget
 
-    @property
-    def bytes_read(self) -> int:
-        """Tensor bytes this rank read in its last ``restore`` (its share, whole blocks)."""
-        return self.restored.bytes_read
-
     # -- save ----------------------------------------------------------------------------------
-    def should_save(self, step: int, last_step: int) -> bool:
-        """True every ``ckpt.every`` steps (0: never in between) and always at ``last_step``."""
-        return step == last_step or (self.cfg.every > 0 and step % self.cfg.every == 0)
-
     def local_due(self, step: int) -> bool:
         """True every ``ckpt.local_every`` steps when there is a local tier."""
         return self.local is not None and self.cfg.local_every > 0 and step % self.cfg.local_every == 0
@@ -244,7 +212,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if not self._settle(must, local, deadline, step):
             if self.ctx.is_main:
-                job = self._in_flight(local)
+                job = self._pending_local if local else self._pending
                 log.warning("checkpoint step %d skipped: the save of step %d is still %s after %.0f s (%s; "
                             "the storage is slow or unreachable)%s", step, job.step,
                             "ending (cancelled)" if job.cancel.cancelled else "being written",
@@ -298,27 +266,18 @@ class Checkpointer:
             self.wait()
         return True
 
-    def _in_flight(self, local: bool) -> SaveJob | None:
-        """The save in flight of one tier."""
-        return self._pending_local if local else self._pending
-
     def _settle(self, must: bool, local: bool = False, deadline: Deadline | None = None,
                 step: int | None = None) -> bool:
-        """Every rank, when a save is due: is the tier's previous one finished on every rank
-        (waiting up to ``ckpt.save_wait_s``, or for as long as it takes when ``must``)? Its failure is raised
-        or, for a transient storage fault, logged; a storage outage longer than
-        ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable).
-
-        The newest state wins: a previous save that is still retrying on any rank (its store's
-        operations failing) and has made no progress on any rank since it was last asked about
-        (``writer.progress``: a storage that is slow but working finishes its save) is cancelled (``SaveJob.cancel``: its retries end, nothing of it
-        commits), then waited for ``ckpt.save_wait_s`` more (a try in flight ends first), so the
-        due step is saved as soon as the storage answers again, not after the stale save's
-        backoff. At a stop (``deadline``) it is cancelled whatever it is doing, and waited for
-        until the deadline at most. One MAX all_reduce of five numbers per round, at save steps only, so every rank decides the same (only rank 0,
-        which commits, may see the storage fail while the others wait for it; the deadline's
-        expiry is agreed too, since the signal reached each rank at its own moment)."""
-        job = self._in_flight(local)
+        """Every rank, when a save is due: whether the tier's previous save has ended on every rank,
+        by the rules ``save`` states (``ckpt.save_wait_s``, ``must``, the newest state wins, a stop's
+        ``deadline``). Its failure is raised or, for a transient storage fault, logged; an outage
+        longer than ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). A
+        save retrying with no progress on any rank since it was last asked about (``writer.progress``:
+        a slow storage that is working finishes its save) is cancelled, then waited for
+        ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
+        so every rank decides the same (only rank 0, which commits, may see the storage fail; the
+        deadline's expiry is agreed too, since the signal reached each rank at its own moment)."""
+        job = self._pending_local if local else self._pending
         if job is None:
             return True
         store = self.local if local else self.store

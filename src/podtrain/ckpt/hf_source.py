@@ -26,7 +26,6 @@ name or shape the config's model lacks.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import re
@@ -42,7 +41,7 @@ from torch import nn
 from podtrain.ckpt.coalesce import Chunk, Read, coalesce
 from podtrain.ckpt.load import LoadPlan, finish
 from podtrain.ckpt.statedict import dtensor_range, flat_local, is_dtensor, named_state, plain_plan, replica_groups
-from podtrain.ckpt.store import StorageError, open_store
+from podtrain.ckpt.store import StorageError, open_store, read_json
 from podtrain.ckpt.tensorio import DTYPES, ELEMENT_SIZE
 from podtrain.errors import UserError
 from podtrain.storage.errors import Transient
@@ -133,7 +132,7 @@ def _open_folder(url: str) -> HFFolder:
         raw_index = store.read_bytes(INDEX)
         digest.update(raw_index)
         try:
-            weight_map = json.loads(raw_index)["weight_map"]
+            weight_map = read_json(store, INDEX, raw_index)["weight_map"]  # not a JSON object: ValueError
             files = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise _fail(url, f"{INDEX} is not a safetensors index ({type(exc).__name__}: {exc})") from None
@@ -174,10 +173,7 @@ def _read_header(store, url: str, name: str, size: int, out: dict[str, HFTensor]
     if length > MAX_HEADER_BYTES or 8 + length > size:
         raise _fail(url, f"{bad} (header length {length} in a file of {size} bytes)")
     raw = store.read_range(name, 8, length)
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise _fail(url, f"{bad} (its header is not JSON)") from None
+    header = read_json(store, name, raw, error=lambda _: _fail(url, f"{bad} (its header is not JSON)"))
     base = 8 + length
     for tname, rec in header.items():
         if tname == "__metadata__":

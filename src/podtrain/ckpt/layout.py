@@ -22,20 +22,8 @@ by rank 0 at the next start (and at once when the save fails). Checkpoints are c
 manifest object rather than a directory rename, so the same protocol works on object storage.
 Everything here runs on one process; the callers broadcast what it decides.
 
-At the start, which step directories exist and which are committed is read from ONE listing
-(``scan``): on S3 a paged LIST of ``step_`` shows every step directory's files, its manifest among
-them, with their sizes, so choosing a checkpoint and the clean-up of unfinished saves send no
-request per step directory (a HEAD each, once) and the chosen checkpoint's files are checked from
-the same listing. On POSIX a stat is no request, and listing would stat every rank's file: there a
-directory read and one stat per step directory stay.
-
-At a save, retention (``apply_retention``) does not list the files: one listing of the step
-directories alone (S3: ``Delimiter='/'``, their common prefixes; POSIX: one directory read), a
-manifest read (one GET) only for a directory the plan depends on and the writer has not seen
-yet (``Housekeeping.known``), and a deleted checkpoint costs its manifest's DELETE, one listing
-of its files and DeleteObjects batches of 1,000 keys (``Store.delete_prefix``). So rank 0's
-requests at a save do not grow with the world size nor with the checkpoints kept (until those
-pass 1,000: a LIST page per 1,000 step directories).
+What the start and a save ask of the storage (one listing, no request per step directory or
+per rank's file) is said by ``scan`` and ``apply_retention``, and in docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from podtrain.ckpt.store import NotFound, StorageError, open_store
+from podtrain.ckpt.store import NotFound, StorageError, open_store, read_json
 from podtrain.storage import Entry
 from podtrain.storage.errors import NoSuchBucket, Transient
 from podtrain.errors import UserError
@@ -114,11 +102,6 @@ class StepListing:
         """Step directory ``name``'s files as listed (None: not listed, ask the store)."""
         return None if self.files is None else self.files.get(name, [])
 
-    def size(self, name: str, rel: str) -> int | None:
-        """The listed size of ``name/rel`` (None: not listed)."""
-        full = f"{name}/{rel}"
-        return next((e.size for e in self.entries(name) or () if e.name == full), None)
-
 
 def scan(store) -> StepListing:
     """The step directories of ``store`` and which are committed: on S3 one paged LIST of
@@ -167,11 +150,12 @@ def run_ckpt_url(run_dir: str | Path) -> str:
     ``export``, ``eval``, ``ckpt.resume_from`` and the launcher read."""
     import yaml
 
-    try:
-        recorded = json.loads((Path(run_dir) / LINEAGE_FILE).read_text()).get("ckpt_url")
+    path = Path(run_dir) / LINEAGE_FILE
+    try:  # absent, unreadable or damaged: the config's
+        recorded = (read_json(None, str(path), path.read_bytes(), error=None) or {}).get("ckpt_url")
         if recorded:
             return str(recorded)
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         pass
     try:
         raw = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
@@ -203,11 +187,11 @@ class UnsafeCheckpoint(UserError):
     """The checkpoint holds a file that would have to be unpickled: refused, never opened."""
 
 
-def refuse_pickles(store, name: str, entries: list[Entry] | None = None) -> None:
-    """Raise ``UnsafeCheckpoint`` when checkpoint ``name`` holds a pickle / torch.save file (only
-    the first bytes of files other than .safetensors/.json are read, never unpickled).
-    ``entries``: its files as already listed (``StepListing.entries``), else listed here."""
-    for entry in store.list(name + "/") if entries is None else entries:
+def refuse_pickles(store, name: str, entries: list[Entry]) -> None:
+    """Raise ``UnsafeCheckpoint`` when checkpoint ``name`` (``entries``: its files as listed) holds
+    a pickle / torch.save file (only the first bytes of files other than .safetensors/.json are
+    read, never unpickled)."""
+    for entry in entries:
         rel = entry.name[len(name) + 1:]
         if _ALLOWED.match(rel):
             continue
@@ -234,22 +218,22 @@ def read_manifest(store, name: str, size: int | None = None) -> dict[str, Any]:
     """Parse checkpoint ``name``'s manifest. ValueError says what is wrong (an unfinished save, a
     damaged manifest); an older podtrain layout is a one-line ``UserError`` naming it. ``size``:
     the manifest's listed size (S3: read with one GET, no HEAD)."""
-    try:
-        where = f"{name}/{MANIFEST}"
-        raw = _read_whole(store, where) if size is None else store.read_range(where, 0, size)
+    where = f"{name}/{MANIFEST}"
+    try:  # one request: a range read at the listed size, else on S3 one GET (``read_bytes`` sends a HEAD first)
+        if size is not None:
+            raw = store.read_range(where, 0, size)
+        else:
+            raw = store.read_bytes(where) if store.is_local else store.read_versioned(where)[0]
     except NoSuchBucket:
         raise
     except (FileNotFoundError, NotFound):
         raise ValueError(NO_MANIFEST) from None
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
-    if isinstance(manifest, dict) and "crc32" in manifest:  # manifests before the CRC have none
+    manifest = read_json(store, where, raw)  # not JSON: a ValueError naming it (the scan skips it)
+    if "crc32" in manifest:  # manifests before the CRC have none
         if manifest["crc32"] != zlib.crc32(encode_manifest({k: v for k, v in manifest.items() if k != "crc32"})):
             raise ValueError("manifest.json fails its CRC-32 check (damaged)")
         del manifest["crc32"]
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    fmt = manifest.get("format")
     if fmt in OLD_FORMATS:
         raise UserError(f"checkpoint {store.url}/{name} has {OLD_FORMATS[fmt]}, which this podtrain no "
                         f"longer reads (it reads {FORMAT}): resume it with the podtrain that wrote it, "
@@ -267,16 +251,10 @@ NO_MANIFEST = "no manifest.json (the save did not finish)"
 """``read_manifest``'s reason for a step directory without a manifest (an unfinished save)."""
 
 
-def _read_whole(store, name: str) -> bytes:
-    """The whole of ``name`` in one request: on S3 one GET (``read_versioned``: no HEAD for its
-    size first, as ``read_bytes`` sends); on POSIX a read."""
-    return store.read_bytes(name) if store.is_local else store.read_versioned(name)[0]
-
-
-def size_problem(store, name: str, manifest: dict[str, Any], entries: list[Entry] | None = None) -> str | None:
-    """What is wrong with the sizes of the files the manifest lists (one listing, no data read;
-    ``entries``: the files as already listed)."""
-    sizes = {e.name[len(name) + 1:]: e.size for e in (store.list(name + "/") if entries is None else entries)}
+def size_problem(name: str, manifest: dict[str, Any], entries: list[Entry]) -> str | None:
+    """What is wrong with the sizes of the files the manifest lists (``entries``: checkpoint
+    ``name``'s files as listed; no data read)."""
+    sizes = {e.name[len(name) + 1:]: e.size for e in entries}
     for rel, rec in manifest["files"].items():
         if rel not in sizes:
             return f"{rel} is missing"
@@ -319,7 +297,7 @@ def check(store, name: str, listing: StepListing | None = None) -> tuple[dict[st
         manifest = read_manifest(store, name, next((e.size for e in entries if e.name == f"{name}/{MANIFEST}"), None))
     except ValueError as exc:
         return None, str(exc)
-    problem = size_problem(store, name, manifest, entries)
+    problem = size_problem(name, manifest, entries)
     return (None, problem) if problem else (manifest, "")
 
 
@@ -438,27 +416,23 @@ def retention_plan(steps: list[int], current: int, keep_last: int, keep_every: i
     return sorted(delete), abandon
 
 
-def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None = None,
-                    listing: StepListing | None = None, tidy: Housekeeping | None = None) -> None:
+def apply_retention(store, current: int, keep_last: int, keep_every: int, lineage: str | None,
+                    tidy: Housekeeping) -> None:
     """Carry out ``retention_plan`` after saving ``current`` over the checkpoints of ``lineage``
-    (None: all): delete, or move to ``abandoned/``
-    (a rename on a POSIX store; on S3, deleted with a warning: S3 has no rename, and a copy
-    through the client would move every byte through this node; a bucket with versioning keeps
-    them recoverable). The step directories come from one listing of them alone (``step_dirs``:
-    not their files), or ``listing`` when the caller has a ``scan``; whether one is committed and
-    whose it is (its manifest: one GET) is read only where the plan depends on it and only once
-    per ``tidy`` (``Housekeeping.known``): at a save that is no read at all once the writer has
-    seen its window. Every delete is best effort (``tidy``, ``Housekeeping``): a refused one is
-    a warning, and ``current`` is never touched."""
-    tidy = tidy if tidy is not None else Housekeeping()
-    if listing is None:
-        steps = [s for s, _ in step_dirs(store)]
-    else:
-        steps = [s for s, _ in listing.committed]
+    (None: all): delete, or move to ``abandoned/`` (a rename on a POSIX store; on S3, deleted
+    with a warning: S3 has no rename, and a copy through the client would move every byte through
+    this node; a bucket with versioning keeps them recoverable). The step directories come from
+    one listing of them alone (``step_dirs``: not their files); whether one is committed and whose
+    it is (its manifest: one GET) is read only where the plan depends on it and only once per
+    ``tidy`` (``Housekeeping.known``): at a save that is no read at all once the writer has seen
+    its window; a deleted checkpoint costs its manifest's DELETE, one listing of its files and
+    DeleteObjects batches of 1,000 keys (``Store.delete_prefix``). Every delete is best effort
+    (``tidy``): a refused one is a warning, and ``current`` is never touched."""
+    steps = [s for s, _ in step_dirs(store)]
     tidy.known[(str(store.url), step_name(current))] = (True, lineage)  # committed just now, by this run
 
     def mine(step: int) -> bool:
-        committed, whose = _whose(store, step_name(step), tidy, listing)
+        committed, whose = _whose(store, step_name(step), tidy)
         # an unfinished save is nobody's checkpoint (removed at the next start); another run's
         # checkpoints (those from before lineages count as this run's) are never touched
         return committed and (lineage is None or whose in (None, lineage))
@@ -488,16 +462,15 @@ def step_dirs(store) -> list[tuple[int, str]]:
     return sorted((s, n) for n in store.list_dirs("") if (s := parse_step(n)) is not None)
 
 
-def _whose(store, name: str, tidy: Housekeeping, listing: StepListing | None = None) -> tuple[bool, str | None]:
+def _whose(store, name: str, tidy: Housekeeping) -> tuple[bool, str | None]:
     """``(committed, lineage)`` of step directory ``name``: ``tidy.known``'s, else read from its
-    manifest (one GET; the listed size when ``listing`` has it) and remembered there. A damaged
+    manifest (one GET) and remembered there. A damaged
     manifest counts as a committed checkpoint of no known lineage (as a ``scan`` lists it); a
     storage outage is raised (retention waits for the next save)."""
     key = (str(store.url), name)
     if key not in tidy.known:
-        size = listing.size(name, MANIFEST) if listing is not None and listing.files is not None else None
         try:
-            answer = (True, checkpoint_lineage(store, name, read_manifest(store, name, size)))
+            answer = (True, checkpoint_lineage(store, name, read_manifest(store, name)))
         except ValueError as exc:
             answer = (str(exc) != NO_MANIFEST, None)
         tidy.known[key] = answer
@@ -511,11 +484,11 @@ def checkpoint_lineage(store, name: str, manifest: dict[str, Any]) -> str | None
     if manifest.get("lineage"):
         return str(manifest["lineage"])
     try:
-        state = json.loads(store.read_bytes(f"{name}/{STATE_JSON}"))
+        state = read_json(store, f"{name}/{STATE_JSON}", error=None, missing=None) or {}
         run_id = (state.get("train_state") or {}).get("run_id")
     except Transient:
         raise
-    except (ValueError, AttributeError, NotFound, StorageError, OSError):
+    except (AttributeError, StorageError, OSError):
         return None
     return str(run_id) if isinstance(run_id, str) and run_id else None
 

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from podtrain.ckpt.store import NotFound, StorageError
+from podtrain.ckpt.store import NotFound, StorageError, read_json
 from podtrain.storage.errors import AccessDenied
 from podtrain.errors import UserError
 
@@ -73,29 +73,18 @@ class LeaseRecord:
                 f"heartbeat {max(0.0, now - self.heartbeat):.0f} s ago")
 
 
-def read_lease(store) -> LeaseRecord | None:
-    """The lease in ``store``, or None (absent, or unreadable: a torn write counts as absent)."""
-    try:
-        raw = json.loads(store.read_bytes(LEASE_FILE))
-        return LeaseRecord(**{k: raw[k] for k in LeaseRecord.__dataclass_fields__})
-    except (NotFound, FileNotFoundError):
-        return None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        log.warning("%s/%s is damaged: treated as free", store.url, LEASE_FILE)
-        return None
-
-
-def read_lease_versioned(store) -> tuple[LeaseRecord | None, str | None]:
-    """The lease in ``store`` and its version tag: ``(None, None)`` when absent, ``(None, tag)``
-    when damaged (a compare-and-swap on ``tag`` replaces it)."""
+def read_lease(store) -> tuple[LeaseRecord | None, str | None]:
+    """The lease in ``store`` and its version tag (one read: on S3 one GET): ``(None, None)`` when
+    absent, ``(None, tag)`` when damaged (a torn write counts as free, and a compare-and-swap on
+    ``tag`` replaces it)."""
     try:
         data, tag = store.read_versioned(LEASE_FILE)
     except (NotFound, FileNotFoundError):
         return None, None
     try:
-        raw = json.loads(data)
+        raw = read_json(store, LEASE_FILE, data)
         return LeaseRecord(**{k: raw[k] for k in LeaseRecord.__dataclass_fields__}), tag
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError):
         log.warning("%s/%s is damaged: treated as free", store.url, LEASE_FILE)
         return None, tag
 
@@ -153,15 +142,11 @@ class Lease:
         self._take(store)
         self.stores = [*self.stores, store]
 
-    def set_lineage(self, lineage: str) -> None:
-        """Name the run in the lease (known only after the run directory's lease is held)."""
-        self.record.lineage = lineage
-
     def _take(self, store) -> None:
         """Take ``store``'s lease by compare-and-swap on the version just read (or create it where
         there is none); ``UserError`` when a live holder has it or another job won the race."""
         now = time.time()
-        held, tag = read_lease_versioned(store)
+        held, tag = read_lease(store)
         if held is not None and not held.same_holder(self.record):
             age = now - held.heartbeat
             if held.heartbeat == RELEASED:
@@ -187,7 +172,7 @@ class Lease:
         new = store.create_exclusive(LEASE_FILE, self._body()) if tag is None else \
             store.replace_if(LEASE_FILE, self._body(), tag)
         if new is None:
-            back = read_lease(store)
+            back, _ = read_lease(store)
             raise UserError(f"{store.url} was claimed at the same moment by "
                             f"{back.describe(time.time()) if back else 'another job'}: two jobs must not "
                             "write one run; this one stops")
@@ -202,7 +187,7 @@ class Lease:
         said = False
         while True:
             now = time.time()
-            current, tag = read_lease_versioned(store)
+            current, tag = read_lease(store)
             if current is None or current.same_holder(self.record) or now - current.heartbeat > lapse:
                 log.info("%s/%s: taking the lease over from an earlier attempt of this job (%s)",
                          store.url, LEASE_FILE, held.describe(now))
@@ -220,7 +205,7 @@ class Lease:
         """Re-read every lease (rank 0, just before a commit): None while this job holds them all,
         else why not. A job that lost its run must not commit or prune anything in it."""
         for store in self.stores:
-            held = read_lease(store)
+            held, _ = read_lease(store)
             if held is None or not held.same_holder(self.record):
                 reason = f"{store.url}: the lease is now held by {held.describe(time.time()) if held else 'nobody'}"
                 self.lost = self.lost or reason
@@ -244,13 +229,13 @@ class Lease:
             tag = self._tags.get(store.url)
             new = store.replace_if(LEASE_FILE, self._body(), tag) if tag is not None else None
             if new is None:
-                held, current = read_lease_versioned(store)
+                held, current = read_lease(store)
                 if held is not None and held.same_holder(self.record):
                     # our own renewal landed although its answer was lost (an outage): adopt it
                     new = store.replace_if(LEASE_FILE, self._body(), current)
                 if new is None:
                     if self.lost is None:
-                        held, current = read_lease_versioned(store)
+                        held, current = read_lease(store)
                         self.lost = (f"{store.url}: the lease was taken over by {held.describe(time.time())}"
                                      if held is not None else
                                      f"{store.url}: the lease was removed by another job" if current is None else
@@ -298,7 +283,7 @@ class Lease:
         """Remove ``store``'s lease if it is this job's, by compare-and-swap on the version read:
         a lease another job took over meanwhile is never removed."""
         try:
-            held, tag = read_lease_versioned(store)
+            held, tag = read_lease(store)
             if held is None or not held.same_holder(self.record):
                 return
             try:
@@ -332,7 +317,7 @@ def claim_once(store, name: str, body: dict) -> dict:
             held, tag = store.read_versioned(name)
         except (NotFound, FileNotFoundError):  # removed between the two: claim again
             continue
-        standing = _parse_json(held)
+        standing = read_json(store, name, held, error=None)
         if standing is not None:
             return standing
         log.warning("%s/%s is damaged: claimed anew", store.url, name)
@@ -341,11 +326,3 @@ def claim_once(store, name: str, body: dict) -> dict:
     raise StorageError(store.where(name), f"could not be claimed in {CLAIM_TRIES} tries: it keeps changing "
                                           "(another process is creating and removing it)")
 
-
-def _parse_json(data: bytes) -> dict | None:
-    """``data`` as a JSON object, or None (not JSON, not an object)."""
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None

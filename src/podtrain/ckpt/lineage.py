@@ -38,7 +38,7 @@ from typing import Any
 from podtrain.ckpt import layout
 from podtrain.ckpt.lease import claim_once
 from podtrain.storage.errors import Transient
-from podtrain.ckpt.store import NotFound, StorageError, open_store
+from podtrain.ckpt.store import StorageError, open_store, read_json
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -72,22 +72,19 @@ class RunIdentity:
         return {"lineage": self.lineage, "parent": self.parent}
 
 
-def read_json(store, name: str) -> dict[str, Any] | None:
-    """A small JSON object at ``name``, or None when absent or unreadable (warned)."""
+def _read_record(store, name: str) -> dict[str, Any] | None:
+    """A record (``lineage.json``, ``owner.json``), or None when absent or damaged (warned)."""
     try:
-        data = json.loads(store.read_bytes(name))
-    except (NotFound, FileNotFoundError):
+        return read_json(store, name, missing=None)
+    except ValueError as exc:
+        log.warning("%s: ignored", exc)
         return None
-    except (ValueError, UnicodeDecodeError) as exc:
-        log.warning("%s/%s is not valid JSON (%s): ignored", store.url, name, exc)
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def owner_of(store) -> dict[str, Any] | None:
     """The owner record of a checkpoint location: ``owner.json``, else the lineage of its newest
     committed checkpoint (a location written before lineages), else None (nobody owns it)."""
-    owner = read_json(store, OWNER_FILE)
+    owner = _read_record(store, OWNER_FILE)
     if owner and owner.get("lineage"):
         return owner
     for step, name in reversed(layout.committed_steps(store)):
@@ -111,10 +108,7 @@ def _legacy_run_id(run_dir: Path) -> str | None:
     except OSError:
         return None
     for line in reversed(lines):
-        try:
-            run_id = json.loads(line).get("run_id")
-        except (ValueError, AttributeError):
-            continue
+        run_id = (read_json(None, str(path), line.encode(), error=None) or {}).get("run_id")
         if run_id:
             return str(run_id)
     return None
@@ -129,7 +123,7 @@ def establish(run_dir: Path, configured_url: str, fresh_start: bool) -> RunIdent
     carries (checkpoints written before lineages stay resumable), else starts a new lineage.
     """
     run_dir = Path(run_dir)
-    recorded = None if fresh_start else read_json(open_store(str(run_dir)), LINEAGE_FILE)
+    recorded = None if fresh_start else _read_record(open_store(str(run_dir)), LINEAGE_FILE)
     if recorded and recorded.get("lineage"):
         lineage, parent, fresh = str(recorded["lineage"]), recorded.get("parent"), False
         created = float(recorded.get("created") or time.time())

@@ -27,10 +27,9 @@ every N > 1, and more the larger N is.
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +45,8 @@ from podtrain.ckpt.plan import BLOCK_BYTES, Piece, spans
 from podtrain.ckpt.state import from_plain
 from podtrain.ckpt.statedict import (NamedState, apply_state, dtensor_range, flat_local, is_dtensor, named_state,
                                      plain_plan, replica_groups, replicate_broadcasts)
-from podtrain.ckpt.tensorio import DTYPES, check_json_record, decode_small, verify_blocks
+from podtrain.ckpt.store import read_json
+from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, verify_blocks
 from podtrain.errors import UserError
 
 
@@ -79,28 +79,31 @@ class LoadPlan:
 
 
 def read_small(store, name: str, manifest: dict, rel: str) -> bytes:
-    """A small file of the checkpoint, checked against its manifest record."""
-    data = store.read_bytes(f"{name}/{rel}")
-    check_json_record(data, manifest["files"].get(rel, {}), f"{store.url}/{name}/{rel}")
+    """A small file of the checkpoint, checked against its manifest record (``CorruptCheckpoint``
+    unless its size and CRC-32 are the recorded ones)."""
+    data, record = store.read_bytes(f"{name}/{rel}"), manifest["files"].get(rel, {})
+    if len(data) != record.get("bytes") or zlib.crc32(data) != record.get("crc32"):
+        raise CorruptCheckpoint(f"{store.url}/{name}/{rel} does not match the manifest (size or CRC-32)")
     return data
+
+
+def read_small_json(store, name: str, manifest: dict, rel: str, data: bytes | None = None) -> dict[str, Any]:
+    """A small JSON file of the checkpoint (``data``: its bytes, already read by ``read_small``),
+    checked against its manifest record; one that is not a JSON object is a ``CorruptCheckpoint``."""
+    if data is None:
+        data = read_small(store, name, manifest, rel)
+    return read_json(store, f"{name}/{rel}", data, error=CorruptCheckpoint)
 
 
 def piece_index(manifest: dict, store=None, name: str | None = None) -> dict[str, list[Piece]]:
     """Every stored piece, by tensor name: from the manifest (``podtrain-ckpt/2``), else from
     every rank's sidecar in ``store`` (a whole-checkpoint operation: ``verify``, tools). A sidecar
     of another save than the manifest's is a ``CorruptCheckpoint``, as a damaged one is."""
-    out: dict[str, list[Piece]] = {}
     if sidecar.is_sidecar_format(manifest):
         if store is None:
             raise ValueError("a podtrain-ckpt/3 manifest keeps its pieces in the ranks' sidecars: pass the store")
-        for rank in range(int(manifest["world_size"])):
-            rel = sidecar.sidecar(rank)
-            where = f"{store.url}/{name}/{rel}"
-            body = sidecar.decode(store.read_bytes(f"{name}/{rel}"), where)
-            sidecar.check_save(body, manifest, where)  # another save's sidecar of this step: never mixed in
-            for piece in sidecar.pieces_of(body):
-                out.setdefault(piece.tensor, []).append(piece)
-        return out
+        return sidecar.read_sidecars(store, name, manifest, range(int(manifest["world_size"]))).pieces
+    out: dict[str, list[Piece]] = {}
     for rel, rec in manifest["files"].items():
         for item in rec.get("pieces", []):
             piece = Piece.from_json(rel, item)
@@ -114,12 +117,12 @@ def prepare(store, name: str, manifest: dict, net: nn.Module, optimizer: torch.o
     t0 = time.perf_counter()
     where = f"{store.url}/{name}"
     state_json = read_small(store, name, manifest, layout.STATE_JSON)
-    raw = json.loads(state_json)
+    raw = read_small_json(store, name, manifest, layout.STATE_JSON, state_json)
     small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
     stored = manifest.get("tensors", {})
     has_optimizer = any(k.startswith("optim/") for k in stored)
     targets = named_state(net, optimizer, with_optimizer=has_optimizer, stored=stored)
-    _check_fit(where, stored, targets.tensors)
+    check_fit(where, {k: v["shape"] for k, v in stored.items()}, targets.tensors, "this model and optimizer")
     plan = LoadPlan(where, manifest, raw, small, targets)
     plan.plain = plain_plan(targets.tensors, world)
     plan.readers = replica_groups(targets.tensors)
@@ -129,7 +132,7 @@ def prepare(store, name: str, manifest: dict, net: nn.Module, optimizer: torch.o
             if count and reads:
                 plan.wanted.append((tname, start, count, start))
     plan.wanted += [(tname, start, count, 0) for tname, start, count in plan.plain[rank]]
-    plan.metadata_bytes_parsed = len(state_json) + len(json.dumps(manifest, separators=(",", ":")))
+    plan.metadata_bytes_parsed = len(state_json) + len(layout.encode_manifest(manifest))
     if sidecar.is_sidecar_format(manifest):
         found = sidecar.index(store, name, manifest, [w[:3] for w in plan.wanted], rank, world)
         plan.pieces, plan.rng, plan.saved_ranks_read = found.pieces, found.rng, found.ranks_read
@@ -147,14 +150,17 @@ def saved_world_size(manifest: dict) -> int:
     return int(manifest.get("world_size") or 0)
 
 
-def _check_fit(where: str, stored: dict, targets: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
-    shapes = [k for k in targets if k in stored and list(targets[k].shape) != stored[k]["shape"]]
+def check_fit(where: Any, stored: dict[str, Any], own: dict[str, torch.Tensor], what: str = "this model") -> None:
+    """The one fit check (a resume's and the offline readers'): a one-line ``UserError`` naming
+    checkpoint ``where`` unless ``stored`` (name -> shape) has exactly ``own``'s names and shapes
+    (``what`` says what ``own`` is; names are shown without their ``model/`` or ``optim/``)."""
+    missing, unexpected = sorted(set(own) - set(stored)), sorted(set(stored) - set(own))
+    shapes = [k for k in own if k in stored and tuple(own[k].shape) != tuple(stored[k])]
     if missing or unexpected or shapes:
         parts = [f"{label}: {', '.join(n.split('/', 1)[-1] for n in names[:3])}{' ...' if len(names) > 3 else ''}"
                  for label, names in (("missing", missing), ("unexpected", unexpected), ("shape differs", shapes))
                  if names]
-        raise UserError(f"checkpoint {where} does not fit this model and optimizer ({'; '.join(parts)}): "
+        raise UserError(f"checkpoint {where} does not fit {what} ({'; '.join(parts)}): "
                         "was it saved with another model.preset or vocabulary?")
 
 
@@ -216,7 +222,7 @@ def _chunks(plan: LoadPlan, name: str, tname: str, dst: torch.Tensor, start: int
     """The whole-block chunks (at most ``cap`` bytes) that hold elements ``[start, start + count)``
     of ``tname``, each with where its wanted elements go."""
     dtype = DTYPES[plan.manifest["tensors"][tname]["dtype"]]
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     try:
         found = spans(plan.pieces.get(tname, []), start, count, esize)
     except ValueError as exc:
@@ -269,12 +275,3 @@ def finish(plan: LoadPlan, net: nn.Module, optimizer: torch.optim.Optimizer, cpu
     out["rng"] = plan.rng
     return out
 
-
-def shape_of(manifest: dict, tname: str) -> tuple[int, ...]:
-    """The stored whole shape of ``tname``."""
-    return tuple(manifest["tensors"][tname]["shape"])
-
-
-def numel_of(manifest: dict, tname: str) -> int:
-    """Elements of stored tensor ``tname``."""
-    return math.prod(shape_of(manifest, tname))

@@ -18,8 +18,9 @@ every replica: a step saved twice (a rollback, then the same step again) is two 
 restore never combines their pieces.
 
 A step is complete when EVERY rank holds its marker and rank 0 holds the manifest, all of one
-save: at start every rank lists the ``(step, save id)`` it holds (``held_steps``), one all_gather
-intersects them, and rank 0 restores the newest common step (its manifest naming that save) when it is at least as new as the newest durable checkpoint
+save: at start every rank lists the ``(step, save id)`` it holds (``held_steps``), the ranks
+intersect them (``restore.newest_held_by_all``), and rank 0 restores the newest common step (its
+manifest naming that save) when it is at least as new as the newest durable checkpoint
 (broadcasting the manifest and the small files, which only its node has: ``WithSmallFiles``).
 Each rank then reads its own pieces from its own disk, which works when the world size and the
 strategy are the saved ones (a rank needing another node's file finds it missing: every rank
@@ -31,12 +32,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
 from podtrain.ckpt import layout
-from podtrain.ckpt.lineage import read_json
 from podtrain.ckpt.sidecar import sidecar
-from podtrain.ckpt.store import NotFound, StorageError
+from podtrain.ckpt.store import NotFound, StorageError, read_json
 
 log = logging.getLogger("podtrain.checkpoint")
 
@@ -71,11 +70,6 @@ def clear(store, name: str, rank: int) -> None:
     layout.Housekeeping(strict=True).remove(store, name, own, [f".{rel}." for rel in own])
 
 
-def _own_steps(store, rank: int) -> list[tuple[int, str]]:
-    return sorted((s, n) for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None
-                  and store.exists(f"{n}/{marker(rank)}"))
-
-
 def held_steps(store, rank: int, world: int) -> list[tuple[int, str | None]]:
     """``(step, save id)`` of the local steps whose part this rank holds for a run of ``world``
     ranks: its marker, its piece file at the marked size, and on rank 0 the manifest of the same
@@ -83,8 +77,9 @@ def held_steps(store, rank: int, world: int) -> list[tuple[int, str | None]]:
     for name in store.list_dirs(""):
         if layout.parse_step(name) is not None and not store.exists(f"{name}/{marker(rank)}"):
             clear(store, name, rank)
-    return [(step, body.get("save_id")) for step, name in _own_steps(store, rank)
-            if (body := part(store, name, rank, world)) is not None]
+    own = sorted((s, n) for n in store.list_dirs("") if (s := layout.parse_step(n)) is not None
+                 and store.exists(f"{n}/{marker(rank)}"))
+    return [(step, body.get("save_id")) for step, name in own if (body := part(store, name, rank, world)) is not None]
 
 
 def part(store, prefix: str, owner: int, world: int) -> dict | None:
@@ -92,7 +87,7 @@ def part(store, prefix: str, owner: int, world: int) -> dict | None:
     committed part belongs to a run of ``world`` ranks and is whole: the marker, its piece file at
     the marked size, and for rank 0 the manifest, of the save the marker names; else None."""
     try:
-        body = read_json(store, f"{prefix}/{marker(owner)}") or {}  # absent or damaged: not whole
+        body = read_json(store, f"{prefix}/{marker(owner)}", missing={})  # absent or damaged: not whole
         ok = body.get("world_size") == world and (
             body.get("file") is None or store.size(f"{prefix}/{body['file']}") == body.get("bytes"))
         if ok and owner == 0:
@@ -102,14 +97,6 @@ def part(store, prefix: str, owner: int, world: int) -> dict | None:
         log.warning("local checkpoint %s/%s is not usable for rank %d: %s", store.url, prefix, owner, exc)
         ok = False
     return body if ok else None
-
-
-def newest_common(held_by_rank: list[list]) -> Any:
-    """The newest item every rank holds (pure): a step, or a ``(step, save id)``."""
-    common = set(held_by_rank[0]) if held_by_rank else set()
-    for held in held_by_rank[1:]:
-        common &= set(held)
-    return max(common) if common else None
 
 
 def prune(store, rank: int, current: int, keep: int, others=(), drop=None, protected=()) -> None:

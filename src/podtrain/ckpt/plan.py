@@ -85,9 +85,7 @@ def shard_range(shape: Sequence[int], shard_index: int, num_shards: int) -> tupl
     """``(start, count)`` in elements of shard ``shard_index`` of ``num_shards`` along dim 0, as
     ``torch.chunk`` (and so FSDP2's ``Shard(0)``) cuts it: ``ceil(rows / n)`` rows per shard, the
     last shards shorter or empty."""
-    rows = shape[0] if shape else 1
-    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    chunk = -(-rows // num_shards) if rows else 0
+    rows, per_row, chunk = _rows(shape, num_shards)
     first = min(rows, shard_index * chunk)
     last = min(rows, first + chunk)
     return first * per_row, (last - first) * per_row
@@ -154,8 +152,13 @@ def shards_overlapping(shape: Sequence[int], num_shards: int, start: int, count:
     ``[start, start + count)``: O(1), whatever the number of shards."""
     if count <= 0:
         return range(0)
-    rows = shape[0] if shape else 1
-    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    chunk = max(1, -(-rows // num_shards)) if rows else 1
+    _, per_row, chunk = _rows(shape, num_shards)
+    chunk = max(1, chunk)
     first, last = start // per_row // chunk, (start + count - 1) // per_row // chunk
     return range(min(first, num_shards - 1), min(last, num_shards - 1) + 1)
+
+
+def _rows(shape: Sequence[int], num_shards: int) -> tuple[int, int, int]:
+    """``(rows, elements per row, rows per shard)`` of a tensor cut along dim 0 as ``torch.chunk`` cuts it."""
+    rows = shape[0] if shape else 1
+    return rows, math.prod(shape[1:]), -(-rows // num_shards)

@@ -13,7 +13,6 @@ the tokenizer for all three commands).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from podtrain.ckpt import layout
-from podtrain.ckpt.load import piece_index, read_small
+from podtrain.ckpt.load import check_fit, piece_index, read_small, read_small_json
 from podtrain.ckpt.state import from_plain
 from podtrain.storage.errors import Transient
 from podtrain.ckpt.store import StorageError, open_store
@@ -78,7 +77,7 @@ def read_tensors(store, name: str, manifest: dict, prefix: str = "") -> dict[str
 def read_checkpoint(store, name: str, manifest: dict, optimizer: bool = True) -> CheckpointData:
     """Read a checkpoint (``name`` in ``store``, files named by ``manifest``); no process group.
     ``optimizer=False``: the model's tensors only (the optimizer's pieces are not read at all)."""
-    raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON))
+    raw = read_small_json(store, name, manifest, layout.STATE_JSON)
     small = decode_small(read_small(store, name, manifest, layout.STATE_FILE))
     weights = read_tensors(store, name, manifest, "model/")
     for alias, target in raw.get("aliases", {}).items():
@@ -86,7 +85,7 @@ def read_checkpoint(store, name: str, manifest: dict, optimizer: bool = True) ->
     state = {k: from_plain(v, small) for k, v in raw.items() if k != "aliases"}
     config = None
     if layout.CONFIG_JSON in manifest["files"]:
-        config = json.loads(read_small(store, name, manifest, layout.CONFIG_JSON))
+        config = read_small_json(store, name, manifest, layout.CONFIG_JSON)
     local = store.local_path(name)
     return CheckpointData(path=local if local is not None else Path(f"{store.url}/{name}"),
                           step=int(manifest["step"]), model_state=weights, state=state, model_config=config,
@@ -95,7 +94,7 @@ def read_checkpoint(store, name: str, manifest: dict, optimizer: bool = True) ->
 
 def peek_train_state(store, name: str, manifest: dict) -> dict[str, Any]:
     """The loop's train state of a checkpoint (config, tokenizer, step...), from state.json alone."""
-    raw = json.loads(read_small(store, name, manifest, layout.STATE_JSON)).get("train_state") or {}
+    raw = read_small_json(store, name, manifest, layout.STATE_JSON).get("train_state") or {}
     try:
         return from_plain(raw, {})
     except KeyError:  # a train state with tensors: not podtrain's loop's, nothing to compare
@@ -104,22 +103,8 @@ def peek_train_state(store, name: str, manifest: dict) -> dict[str, Any]:
 
 def load_weights(net: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
     """Copy ``weights`` into ``net``; a different architecture is a one-line user error."""
-    check_fit(net.state_dict(), {k: tuple(v.shape) for k, v in weights.items()}, path)
+    check_fit(path, {k: v.shape for k, v in weights.items()}, net.state_dict())
     net.load_state_dict(weights, strict=True)
-
-
-def check_fit(own: dict[str, torch.Tensor], stored: dict[str, tuple[int, ...]], path: Path) -> None:
-    """Raise a one-line ``UserError`` unless ``stored`` (name -> shape) has ``own``'s names and shapes."""
-    missing = sorted(set(own) - set(stored))
-    unexpected = sorted(set(stored) - set(own))
-    shapes = [k for k in own if k in stored and tuple(own[k].shape) != tuple(stored[k])]
-    if missing or unexpected or shapes:
-        parts = []
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("shape differs", shapes)):
-            if names:
-                parts.append(f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
-        raise UserError(f"checkpoint {path} does not fit this model ({'; '.join(parts)}): "
-                        "was it saved with another model.preset or vocabulary?")
 
 
 def load_latest(run_dir: str | os.PathLike) -> CheckpointData:

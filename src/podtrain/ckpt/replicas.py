@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from podtrain.ckpt import layout, local_tier
-from podtrain.ckpt.store import NotFound
+from podtrain.ckpt.store import read_json
 from podtrain.ckpt.tensorio import CorruptCheckpoint
 
 log = logging.getLogger("podtrain.checkpoint")
@@ -261,11 +261,10 @@ def where_held(store, name: str, owner: int, save_id: str | None) -> str | None:
     """Where in this node's directory rank ``owner``'s committed files of step ``name`` of save
     ``save_id`` are: the step folder itself (its own, or a moved host's), a replica folder, or None."""
     for prefix in (name, f"{name}/{replica_dir(owner)}"):
-        try:
-            body = json.loads(store.read_bytes(f"{prefix}/{local_tier.marker(owner)}"))
-        except (NotFound, FileNotFoundError, ValueError):  # no marker here (or not one): not held here
-            continue  # (a storage that fails the read is raised: "not held" would clear the rank's files)
-        if isinstance(body, dict) and body.get("save_id") == save_id:
+        # no marker here (or not one): not held here; a storage that fails the read is raised
+        # ("not held" would clear the rank's files)
+        body = read_json(store, f"{prefix}/{local_tier.marker(owner)}", error=None, missing=None)
+        if body is not None and body.get("save_id") == save_id:
             return prefix
     return None
 
@@ -329,14 +328,19 @@ def repair(store, step: int, save_id: str | None, source: dict[int, int], rank: 
     files (received from their holder, or linked from a replica folder here). The transfers run in rounds in which
     every rank sends at most one owner's files and receives at most its own, all pairs of a round
     at once (``exchange``: nonblocking, in lockstep, so they cannot deadlock). Bytes this rank
-    received from peers."""
+    received from peers. What this rank cannot read, link or clear is raised after every round ran
+    (a round it left would leave its peer waiting until the group's timeout)."""
     name = layout.step_name(step)
+    failure: Exception | None = None  # raised after the rounds: a peer waits for each round of this rank
     if source.get(rank) == rank:
-        prefix = where_held(store, name, rank, save_id)
-        if prefix is None:  # gone since the holdings were reported: nothing here may be cleared for it
-            raise CorruptCheckpoint(f"{store.url}/{name}: rank {rank}'s files of save {save_id} are no longer here")
-        if prefix != name:
-            _link_own(store, prefix, name, rank)
+        try:
+            prefix = where_held(store, name, rank, save_id)
+            if prefix is None:  # gone since the holdings were reported: nothing here may be cleared for it
+                raise CorruptCheckpoint(f"{store.url}/{name}: rank {rank}'s files of save {save_id} are no longer here")
+            if prefix != name:
+                _link_own(store, prefix, name, rank)
+        except Exception as exc:
+            failure = exc
     sends: dict[int, list[int]] = {}
     for owner in sorted(source):
         if source[owner] != owner:
@@ -349,11 +353,22 @@ def repair(store, step: int, save_id: str | None, source: dict[int, int], rank: 
         src = holder if holder != rank and sends[holder].index(rank) == r else None
         if dst is None and src is None:
             continue
-        out_prefix = where_held(store, name, dst, save_id) if dst is not None else None
-        if src is not None:
-            local_tier.clear(store, name, rank)
-        received += exchange(store, out_prefix, files_of(store, out_prefix, dst) if dst is not None else [],
-                             dst, name if src is not None else None, src, group)
+        out_prefix, rels, cannot = None, [], None
+        try:
+            if dst is not None:
+                out_prefix = where_held(store, name, dst, save_id)
+                rels = files_of(store, out_prefix, dst)
+            if src is not None:
+                local_tier.clear(store, name, rank)
+        except Exception as exc:  # still run the round (the peer waits for it): a failed copy, not a broken group
+            cannot = exc
+        try:
+            received += exchange(store, out_prefix, rels, dst, name if src is not None else None, src, group,
+                                 failure=cannot)
+        except CopyFailed as exc:  # the round ran to its end: the next rounds still run, then it is raised
+            failure = failure or exc
+    if failure is not None:
+        raise failure
     return received
 
 

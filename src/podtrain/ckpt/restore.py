@@ -222,14 +222,10 @@ class Restorer:
             if not self._repair_from_peers(step, save_id, source):
                 return None, False
         else:  # nothing moves between ranks; a rank may still hold its own part as a replica here
-            problem = None
-            try:
-                replicas.repair(self.local, step, save_id, source, self.ctx.rank, None)
-            except (StorageError, OSError, CorruptCheckpoint) as exc:  # agreed below: all fall back together
-                problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
-            problems = [p for p in reports_if_any(self.ctx, problem) if p]
-            if problems:
-                log.warning("local step %d could not be used (%s): resuming from the durable tier", step, problems[0])
+            _, problem = self._attempt(lambda: replicas.repair(self.local, step, save_id, source, self.ctx.rank, None),
+                                       (StorageError, OSError, CorruptCheckpoint))
+            if problem:
+                log.warning("local step %d could not be used (%s): resuming from the durable tier", step, problem)
                 return None, False
         held = local_tier.held_steps(self.local, self.ctx.rank, world)
         common = newest_held_by_all(self.ctx, held)  # (step, save id) every rank holds
@@ -250,41 +246,27 @@ class Restorer:
         """Every rank: the ranks missing their own pieces of local step ``step`` (save ``save_id``) receive them from
         the peers that hold them (``replicas.repair``, rounds of simultaneous transfers), unless a durable checkpoint is newer.
         False: use the durable tier (every rank alike)."""
-        durable = rank0_decides(self.ctx, lambda: [s for s, _ in layout.committed_steps(self.store)][-1:])
-        if durable and durable[0] > step:
-            if self.ctx.is_main:
-                log.info("local step %d (held by peers) is older than durable step %d: resuming from the "
-                         "durable tier", step, durable[0])
+        if rank0_decides(self.ctx, lambda: self._durable_newer(step, "local step %d (held by peers)")):
             return False
         t0 = time.perf_counter()
-        problem, got = None, 0
-        try:
-            got = replicas.repair(self.local, step, save_id, source, self.ctx.rank, self.local_group)
-        except Exception as exc:  # agreed below: every rank falls back together
-            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
-        failed, total = (int(v) for v in self.ctx.all_reduce_sum(
-            torch.tensor([problem is not None, got], dtype=torch.int64, device=self.ctx.device)).tolist())
-        problems = [p for p in self.ctx.all_gather_object(problem) if p] if failed else []
-        if problems:
+        got, problem = self._attempt(
+            lambda: replicas.repair(self.local, step, save_id, source, self.ctx.rank, self.local_group))
+        if problem:
             log.warning("local step %d could not be gathered from the peers (%s): resuming from the durable "
-                        "tier", step, problems[0])
+                        "tier", step, problem)
             return False
         self.last.peer_bytes = got
-        if self.ctx.is_main:
+        if self.ctx.is_main:  # (the bytes received over the ranks: in ``restore``'s summary, one sum for both)
             moved = sorted(o for o, h in source.items() if h != o)
-            log.info("local step %d: the pieces of rank(s) %s came from peers (%s; %.1f MB in %.2f s); "
+            log.info("local step %d: the pieces of rank(s) %s came from peers (%s, in %.2f s); "
                      "0 bytes from the durable tier", step, ", ".join(map(str, moved)),
-                     ", ".join(f"rank {o} from rank {source[o]}" for o in moved),
-                     total / 1e6, time.perf_counter() - t0)
+                     ", ".join(f"rank {o} from rank {source[o]}" for o in moved), time.perf_counter() - t0)
         return True
 
     def _local_choice(self, step: int, save_id: str | None) -> dict | None:
         """Rank 0: the local step (save ``save_id``, the one every rank's marker names) unless a
         durable checkpoint is newer; its small files, to broadcast."""
-        durable = layout.committed_steps(self.store)
-        if durable and durable[-1][0] > step:
-            log.info("local step %d is older than durable step %d: resuming from the durable tier",
-                     step, durable[-1][0])
+        if self._durable_newer(step, "local step %d"):
             return None
         name = layout.step_name(step)
         try:
@@ -391,6 +373,23 @@ class Restorer:
             raise UserError(f"{key}={given}: no valid checkpoint in {store.url}")
         return self._choice(store, store.url, choice.name, choice.manifest, key, given)
 
+    def _durable_newer(self, step: int, what: str) -> bool:
+        """Rank 0: whether a durable step is newer than local ``step`` (said, ``what`` naming it)."""
+        durable = layout.committed_steps(self.store)
+        if durable and durable[-1][0] > step:
+            log.info(f"{what} is older than durable step %d: resuming from the durable tier", step, durable[-1][0])
+            return True
+        return False
+
+    def _attempt(self, fn: Callable[[], Any], catch: tuple[type[BaseException], ...] = (Exception,)) -> tuple:
+        """Every rank: ``(fn(), None)``, else the first failed rank's problem (agreed: all fall back)."""
+        result, problem = None, None
+        try:
+            result = fn()
+        except catch as exc:  # agreed below: no rank goes on alone
+            problem = f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+        return result, next((p for p in reports_if_any(self.ctx, problem) if p), None)
+
     @staticmethod
     def _choice(store, root: str | None, name: str, manifest: dict, key: str = "ckpt.resume",
                 given: str = "auto") -> dict:
@@ -434,12 +433,12 @@ def reports_if_any(ctx, report: Any) -> list[Any]:
 
 
 def newest_held_by_all(ctx, held: list) -> Any:
-    """``local_tier.newest_common`` of every rank's ``held`` (every rank calls), without gathering
+    """The newest item (a ``(step, save id)``) every rank's ``held`` has (every rank calls), without gathering
     them: rank 0's list is broadcast (its local steps: bounded by ``ckpt.local_keep`` and the
     replicas it keeps, not by the world size), each rank marks those it lacks, and one all_reduce
     MAX of the marks leaves the items every rank holds: O(local_keep) bytes per rank."""
     if not ctx.initialized:
-        return local_tier.newest_common([held])
+        return max(held, default=None)
     ref = ctx.broadcast_object(sorted(set(held), key=repr) if ctx.is_main else None)
     if not ref:
         return None

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from podtrain.ckpt import layout
 from podtrain.ckpt.plan import Piece, shard_range, shards_overlapping, split_even
 from podtrain.ckpt.state import from_plain, to_plain
-from podtrain.ckpt.tensorio import DTYPES, ELEMENT_SIZE, CorruptCheckpoint, decode_small, encode_small
+from podtrain.ckpt.store import read_json
+from podtrain.ckpt.tensorio import DTYPES, CorruptCheckpoint, decode_small, encode_small
 
 _HEAD = re.compile(rb'^\{"crc32":(\d+),"body":')
 
@@ -56,11 +57,8 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
     text = data[head.end():-1] if head and data.endswith(b"}") else b""
     if not head or zlib.crc32(text) != int(head.group(1)):
         raise CorruptCheckpoint(f"{where} fails its CRC-32 check (a damaged or foreign rank sidecar)")
-    try:
-        body = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorruptCheckpoint(f"{where} is not valid JSON ({exc})") from None
-    if not isinstance(body, dict) or not isinstance(body.get("pieces"), list):
+    body = read_json(None, where, text, error=CorruptCheckpoint)
+    if not isinstance(body.get("pieces"), list):
         raise CorruptCheckpoint(f"{where} holds no piece table")
     return body
 
@@ -107,7 +105,7 @@ class SavedSplit:
         mesh = manifest.get("mesh") or {}
         self.mesh_shape: list[int] = list(mesh.get("shape") or [])
         self.mesh_ranks: list[int] | None = mesh.get("ranks")
-        items = [(n, _numel(info), ELEMENT_SIZE[DTYPES[info["dtype"]]])
+        items = [(n, math.prod(info["shape"]), DTYPES[info["dtype"]].itemsize)
                  for n, info in self.tensors.items() if info.get("rule", "even") == "even"]
         self.even: dict[str, list[tuple[int, int, int]]] = {}
         for rank, ranges in enumerate(split_even(items, self.world)):
@@ -117,16 +115,9 @@ class SavedSplit:
     def holders(self, tname: str, start: int, count: int) -> set[int]:
         """The saved ranks whose files hold any of elements ``[start, start + count)`` of ``tname``."""
         info = self.tensors[tname]
-        rule = info.get("rule", "even")
-        if rule == "even":
+        if info.get("rule", "even") == "even":
             return {r for r, s, c in self.even.get(tname, []) if s < start + count and start < s + c}
-        coords, shard_dim, first_replicate = [0] * len(rule), None, True
-        for dim, kind in enumerate(rule):
-            if kind == "R":
-                coords[dim] = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
-                first_replicate = False
-            else:
-                shard_dim = dim
+        coords, shard_dim = self._writers(info)
         if shard_dim is None:
             return {self._rank(coords)}
         out = set()
@@ -145,23 +136,29 @@ class SavedSplit:
             flat, c = divmod(flat, size)
             coords.insert(0, c)
         for name, info in self.tensors.items():
-            rule = info.get("rule", "even")
-            if rule == "even":
+            if info.get("rule", "even") == "even":
                 continue
-            writes, shard_dim, first_replicate = True, None, True
-            for dim, kind in enumerate(rule):
-                if kind == "R":
-                    want = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
-                    writes, first_replicate = writes and coords[dim] == want, False
-                else:
-                    shard_dim = dim
-            if not writes:
+            want, shard_dim = self._writers(info)
+            if any(coords[d] != want[d] for d, kind in enumerate(info["rule"]) if kind == "R"):
                 continue
             start, count = (shard_range(info["shape"], coords[shard_dim], self.mesh_shape[shard_dim])
-                            if shard_dim is not None else (0, _numel(info)))
+                            if shard_dim is not None else (0, math.prod(info["shape"])))
             if count:
                 out.append((name, start, count))
         return out
+
+    def _writers(self, info: dict[str, Any]) -> tuple[list[int], int | None]:
+        """The mesh coordinates of the ranks that wrote a sharded tensor (``info``: its manifest
+        entry) along its replicate dimensions (the replica group that wrote it along the first, 0
+        along any other), and its shard dimension (None: not sharded; its coordinate is left 0)."""
+        coords, shard_dim, first_replicate = [0] * len(info["rule"]), None, True
+        for dim, kind in enumerate(info["rule"]):
+            if kind == "R":
+                coords[dim] = int(info.get("replica", 0)) % self.mesh_shape[dim] if first_replicate else 0
+                first_replicate = False
+            else:
+                shard_dim = dim
+        return coords, shard_dim
 
     def _rank(self, coords: list[int]) -> int:
         flat = 0
@@ -194,37 +191,26 @@ def index(store, name: str, manifest: dict[str, Any], wanted: Iterable[tuple[str
     same_world = world == split.world
     if same_world:
         ranks.add(rank)
-    names = {t for t, _, _ in wanted}
-    out = SidecarIndex(ranks_read=sorted(ranks))
+    return read_sidecars(store, name, manifest, sorted(ranks), {t for t, _, _ in wanted},
+                         rank if same_world else None)
+
+
+def read_sidecars(store, name: str, manifest: dict[str, Any], ranks: Iterable[int],
+                  tensors: set[str] | None = None, rng_rank: int | None = None) -> SidecarIndex:
+    """The pieces (of ``tensors`` when given) that saved ranks ``ranks``' sidecars hold, by tensor
+    and in element order, each sidecar checked (its CRC-32, its save: ``check_save``); and saved rank
+    ``rng_rank``'s RNG states. ``index`` reads a resuming rank's few; tools read every rank's."""
+    out = SidecarIndex(ranks_read=list(ranks))
     for saved in out.ranks_read:
         where = f"{store.url}/{name}/{sidecar(saved)}"
         data = store.read_bytes(f"{name}/{sidecar(saved)}")
         out.bytes_parsed += len(data)
         body = decode(data, where)
         check_save(body, manifest, where)
-        for piece in pieces_of(body, names):
+        for piece in pieces_of(body, tensors):
             out.pieces.setdefault(piece.tensor, []).append(piece)
-        if same_world and saved == rank:
+        if saved == rng_rank:
             out.rng = rng_of(body)
     for pieces in out.pieces.values():
         pieces.sort(key=lambda p: p.start)
     return out
-
-
-def _numel(info: dict[str, Any]) -> int:
-    n = 1
-    for d in info["shape"]:
-        n *= int(d)
-    return n
-
-
-def metadata_sizes(store, name: str) -> dict[str, int]:
-    """Bytes of checkpoint ``name``'s metadata, from one listing: ``shared`` (manifest.json +
-    state.json, what every resume reads whatever its share), ``small_files`` (all of rank 0's
-    small files), ``sidecars`` (all ranks' together) and ``sidecar_max`` (the largest one)."""
-    sizes = {e.name[len(name) + 1:]: e.size for e in store.list(name + "/")}
-    own = [size for rel, size in sizes.items() if rel.startswith("meta_") and rel.endswith(".json") and "/" not in rel]
-    small = (layout.MANIFEST, layout.STATE_JSON, layout.STATE_FILE, layout.CONFIG_JSON)
-    return {"shared": sizes.get(layout.MANIFEST, 0) + sizes.get(layout.STATE_JSON, 0),
-            "small_files": sum(sizes.get(rel, 0) for rel in small),
-            "sidecars": sum(own), "sidecar_max": max(own, default=0)}

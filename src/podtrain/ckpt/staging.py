@@ -149,12 +149,9 @@ class CopyFence:
 
 
 class SaveStream:
-    """The tensors of one save, by output file, flowing through ``pool`` (see the module docstring).
-
-    ``replay`` says how the writer may read a file again after a failed write (``chunks`` called
-    again for it): ``KEEP`` (everything fits the pool: the slabs read are kept until
-    ``done_with``), ``RESTAGE`` (it does not: the step loop stages the file again from the live
-    tensors, for up to ``hold_s`` after its first staging pass) or ``ONCE`` (replay turned off).
+    """The tensors of one save, by output file, flowing through ``pool``; ``replay`` (``KEEP``,
+    ``RESTAGE`` or ``ONCE``) says how the writer may read a file again after a failed write (the
+    module docstring says which and why).
 
     Every wait of the step loop here has a deadline: a free slab, ``STALL_S`` each; the hold,
     ``hold_s`` in all; and both at most ``deadline`` (a stop's: ``ckpt.grace_s``), after which

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 _TENSOR, _TUPLE, _DICT, _NDARRAY = "__tensor__", "__tuple__", "__dict__", "__ndarray__"
-_TAGS = (_TENSOR, _TUPLE, _DICT, _NDARRAY)
 
 TensorSink = Callable[[str, torch.Tensor], None]
 

@@ -1,27 +1,25 @@
 """Writing checkpoints in the background: the writer thread and the collectives and files of a save.
 
 The step loop hands a ``SaveJob`` to ``CheckpointWriter.submit``; one background thread per rank
-then runs the save's collectives, in a fixed order, on a gloo group of its own (created by every
-rank in ``__init__``), so they never interleave with the main thread's collectives:
+then runs the save's phases (``PHASES``), their collectives in a fixed order on a gloo group of its
+own (created by every rank in ``__init__``), so they never interleave with the main thread's:
 
 1. prepare: rank 0 re-reads the run's lease (a job that lost the run writes nothing) and clears
    the step's directory (an earlier timeline's, or a killed save's; an empty one costs one
    listing), and says so: no rank writes before this outcome is broadcast;
-2. every rank holding pieces writes its own file (``layout.rank_file``) in parallel, streaming
-   the bytes from the step loop's host copies (``podtrain.ckpt.staging``) and computing the block
-   CRC-32s in the same pass; the file appears only complete (the store's atomic ``open_write``);
-   then every rank writes its sidecar (``podtrain.ckpt.sidecar``: its pieces' table, its file's
-   size, its RNG states), which only it (or a resume needing its pieces) ever reads;
-3. rank 0 alone gathers each rank's outcome and byte counts (``_gather``: sizes, then bytes point to point; O(1) per rank,
-   nothing per rank goes to every rank);
-4. commit: rank 0 re-reads the lease, writes the small files, then ``manifest.json`` (the commit:
-   O(tensors), one rule per tensor, a count and a total of the ranks' files);
-5. publish, then retain (``_publish``): ``latest``, then retention. Once the manifest is written
-   nothing can fail the save: a refused ``latest`` or delete is a warning (``layout.Housekeeping``),
-   and retention runs only after ``latest`` names the new checkpoint. Rank 0 broadcasts the
-   result. A failure before the commit removes the step's directory (best effort: never the
-   lease-lost case, where the step may be the new holder's), so the last good checkpoint stays
-   the newest, and every rank's job carries the same error.
+2. write: every rank holding pieces writes its own file (``layout.rank_file``) in parallel,
+   streaming the bytes from the step loop's host copies (``podtrain.ckpt.staging``) and computing
+   the block CRC-32s in the same pass; the file appears only complete (the store's atomic
+   ``open_write``); then every rank writes its sidecar (``podtrain.ckpt.sidecar``: its pieces'
+   table, its file's size, its RNG states), which only it (or a resume needing its pieces) reads;
+3. commit: rank 0 alone gathers each rank's outcome and byte counts (``_gather``: O(1) per rank,
+   nothing per rank goes to every rank), re-reads the lease, writes the small files, then
+   ``manifest.json`` (the commit: O(tensors), a count and a total of the ranks' files);
+4. publish: ``latest``; 5. retain: retention, only after ``latest`` names the new checkpoint.
+   Once the manifest is written nothing can fail the save: a refused ``latest`` or delete is a
+   warning (``layout.Housekeeping``). Rank 0 broadcasts the result. A failure before the commit
+   removes the step's directory (best effort: never the lease-lost case, where the step may be
+   the new holder's), and every rank's job carries the same error.
 
 ``SaveJob.received_bytes`` counts the pickled bytes this rank received in the save's object
 collectives (``CheckpointWriter.last_save["received_bytes"]`` after a save, for benches): O(1) on
@@ -57,8 +55,7 @@ from podtrain import __version__
 from podtrain.ckpt import layout, local_tier, replicas, sidecar
 from podtrain.ckpt.plan import Piece
 from podtrain.ckpt.replicator import Replicator
-from podtrain.ckpt.staging import SaveStream
-from podtrain.ckpt.statedict import tensor_table  # noqa: F401 - re-exported (it lived here)
+from podtrain.ckpt.staging import NotReplayable, SaveStream, StagingTimedOut
 from podtrain.ckpt.tensorio import encode_small, write_pieces
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
@@ -72,6 +69,9 @@ log = logging.getLogger("podtrain.checkpoint")
 # The background group waits while others write; a multi-GB share on a slow shared file system
 # can take many minutes, far longer than a training collective should.
 CKPT_GROUP_TIMEOUT_S = 3600.0
+PHASES = ("prepare", "write", "commit", "publish", "retain")
+"""A save's phases, in order (``CheckpointWriter._write``): nothing is visible before the commit,
+and nothing after it undoes it."""
 
 
 class SaveFailed(UserError):
@@ -83,11 +83,12 @@ class RunTakenOver(UserError):
     nothing more is written or deleted in the step (it may be the new holder's)."""
 
 
-class SaveAbandoned(UserError):
+class SaveAbandoned(Exception):
     """A save given up on a transient storage fault (throttling, 5xx, a dropped connection) once
     the store's retries were spent, or cancelled (a newer save replaced it, a stop's deadline):
     nothing of it is committed, and the run goes on (the next save tries again;
-    ``ckpt.max_outage_s`` bounds how long). Not a ``SaveFailed``: never a reason to stop."""
+    ``ckpt.max_outage_s`` bounds how long). Neither a ``SaveFailed`` nor a ``UserError``: never a
+    reason to stop (``Checkpointer`` logs it, or past the bound raises ``StorageOutage``)."""
 
 
 @dataclass
@@ -271,56 +272,61 @@ class CheckpointWriter:
             job.done.set()
 
     def _write(self, job: SaveJob) -> None:
-        try:
-            self._write_collectively(job)
-        finally:
-            if job.stream is not None:  # a step loop still staging must not wait for us any more
-                job.stream.close("the checkpoint writer stopped before taking every tensor")
-
-    def _write_collectively(self, job: SaveJob) -> None:
+        """The save's phases in order (``PHASES``; the module docstring says who runs each)."""
         name = layout.step_name(job.step)
-        if self.local:  # nobody sees the whole tier: each rank clears its own files
-            # (and the replicas it holds of it: an earlier save's, gone before this save's files appear)
-            error = self._first_error(job, self._outcome(replicas.drop, self.store, name, self.looked_after))
-        else:
-            error = self._opening(job, self._outcome(self._prepare, name) if self.ctx.is_main else None)
-        out: dict[str, Any] = {}
-        if error is None:
-            job.files_written += 1  # the step is cleared: the storage answered
-            error = self._outcome(self._write_own, job, name, out)
-        if error is None and self.local:
-            error = self._outcome(local_tier.write_marker, self.store, name, self.ctx.rank,
-                                  self.ctx.world_size, out.get("record"), job.lineage.get("lineage"), job.save_id)
-        reports = self._gather((error, out.get("sizes")), job)
-        if self.ctx.is_main:
-            error = next((e for e, _ in reports if e), None)
+        try:
+            # prepare
+            if self.local:  # nobody sees the whole tier: each rank clears its own files
+                # (and the replicas it holds of it: an earlier save's, gone before this save's files appear)
+                errors = self._gather(self._outcome("prepare", replicas.drop, self.store, name, self.looked_after), job)
+                error = self._opening(job, next((e for e in errors if e), None) if self.ctx.is_main else None)
+            else:
+                error = self._opening(job, self._outcome("prepare", self._prepare, name) if self.ctx.is_main else None)
+            # write
+            out: dict[str, Any] = {}
             if error is None:
-                error = self._outcome(self._commit, job, name, [r for _, r in reports])
-            if not self.local:
+                job.files_written += 1  # the step is cleared: the storage answered
+                error = self._outcome("write", self._write_own, job, name, out)
+            if error is None and self.local:
+                error = self._outcome("commit", local_tier.write_marker, self.store, name, self.ctx.rank,
+                                      self.ctx.world_size, out.get("record"), job.lineage.get("lineage"), job.save_id)
+            # commit, then publish and retain (rank 0; the durable tier), or undo
+            reports = self._gather((error, out.get("sizes")), job)
+            if self.ctx.is_main:
+                error = next((e for e, _ in reports if e), None)
                 if error is None:
-                    self._publish(job, name)  # never fails the save: the manifest is the commit
-                elif error[0] != "lease":  # a run another job owns now: its step, not ours to touch
+                    error = self._outcome("commit", self._commit, job, name, [r for _, r in reports])
+                if not self.local and error is None:
+                    try:  # rank 0 must reach the broadcast that follows whatever happens here, or every rank waits
+                        if self._publish(name):  # retention waits for a published checkpoint
+                            self._retain(job.step)
+                    except Exception:  # a checkpoint retention cannot read (an unsafe or old-format one)
+                        log.exception("retention after %s failed; the checkpoint is committed and training goes on",
+                                      name)
+                elif not self.local and error[0] != "lease":  # another job's run now: its step, not ours
                     with cancellation(None):  # a cancelled save's files go too (its own retries ended)
                         self.tidy.remove(self.store, name)  # no half-written checkpoint stays (best effort)
-        error = self._broadcast(error, job)
-        if self.local:
-            if error is not None:
+            error = self._broadcast(error, job)
+            if self.local and error is not None:
                 with cancellation(None):  # as above: a cancelled save's local files go too
-                    self._outcome(local_tier.clear, self.store, name, self.ctx.rank)
-            else:
+                    self._outcome("undo", local_tier.clear, self.store, name, self.ctx.rank)  # best effort
+            elif self.local:  # the local tier's publish (its replicas) and retain
                 if self.replicator is not None:
                     self.replicator.committed(job.step)
                 local_tier.prune(self.store, self.ctx.rank, job.step, self.cfg.local_keep, self.looked_after,
                                  replicas.drop, self.replicator.protected() if self.replicator is not None else ())
-        if error is not None:
-            kind, message = error
-            cls = {"transient": SaveAbandoned, "user": SaveFailed, "lease": SaveFailed}.get(kind, RuntimeError)
-            raise cls(f"{self.tier} checkpoint of step {job.step} failed: {message}")
+            if error is not None:
+                kind, message = error
+                cls = {"transient": SaveAbandoned, "user": SaveFailed, "lease": SaveFailed}.get(kind, RuntimeError)
+                raise cls(f"{self.tier} checkpoint of step {job.step} failed at its {message}")
+        finally:
+            if job.stream is not None:  # a step loop still staging must not wait for us any more
+                job.stream.close("the checkpoint writer stopped before taking every tensor")
 
-    def _outcome(self, fn, *args) -> tuple[str, str] | None:
-        """None when ``fn(*args)`` succeeds, else ``(kind, one line naming the rank)``: kind is
-        "transient" (a storage fault worth trying again later), "user" (no space, permissions:
-        the user's to fix) or "bug"."""
+    def _outcome(self, phase: str, fn, *args) -> tuple[str, str] | None:
+        """None when ``fn(*args)`` succeeds, else ``(kind, one line naming the phase and the rank)``:
+        kind is "transient" (a storage fault worth trying again later), "user" (no space,
+        permissions: the user's to fix), "lease" or "bug"."""
         try:
             fn(*args)
             return None
@@ -329,7 +335,7 @@ class CheckpointWriter:
                     "user" if isinstance(exc, (OSError, UserError)) else "bug")  # storage errors are UserErrors
             if kind == "bug":
                 log.exception("checkpoint writer on rank %d failed", self.ctx.rank)
-            return kind, f"rank {self.ctx.rank} on {self.ctx.env.hostname}: {type(exc).__name__}: {exc}"
+            return kind, f"{phase} (rank {self.ctx.rank} on {self.ctx.env.hostname}): {type(exc).__name__}: {exc}"
 
     def _prepare(self, name: str) -> None:
         """Rank 0, before any rank writes (its outcome is broadcast; no rank writes after an
@@ -359,8 +365,6 @@ class CheckpointWriter:
         (always: it carries the rank's RNG states)."""
         rel, nbytes, pieces = None, 0, []
         if job.stream is not None:
-            from podtrain.ckpt.staging import NotReplayable, StagingTimedOut
-
             rel, stream = layout.rank_file(self.ctx.rank), job.stream
             path, writers = f"{name}/{rel}", []
 
@@ -399,7 +403,7 @@ class CheckpointWriter:
         out["sizes"] = (nbytes if rel else None, len(meta))
 
     def _commit(self, job: SaveJob, name: str, sizes: list) -> None:
-        """Rank 0: the small files, the manifest (the commit), ``latest``, retention."""
+        """Rank 0: the small files, then the manifest (the commit)."""
         small = dict(job.small)
         state = {"step": job.step, **job.state_plain}
         blobs = {layout.STATE_FILE: encode_small({k: v.detach().cpu().contiguous() for k, v in small.items()}),
@@ -423,26 +427,18 @@ class CheckpointWriter:
         self.store.write_bytes(f"{name}/{layout.MANIFEST}", layout.sealed_manifest(manifest))
         job.nbytes = sum(r["bytes"] for r in files.values()) + ranks["piece_bytes"] + ranks["sidecar_bytes"]
 
-    def _publish(self, job: SaveJob, name: str) -> None:
-        """Rank 0, after the commit: point ``latest`` at it, then retention. Neither can fail the
-        save (the checkpoint is committed: a failure here deleting it would lose the only copy),
-        and retention runs only once ``latest`` names the new checkpoint, so an older checkpoint is
-        never deleted before the newer one is both committed and published. A refused write or
-        delete is a warning (``layout.Housekeeping``); the next save tries again."""
-        try:  # rank 0 must reach the broadcast that follows whatever happens here, or every rank waits
-            if not self.tidy.attempt(self.store, f"point {layout.LATEST} at {name}", layout.write_latest,
-                                     self.store, name):
-                return  # retention waits for a published checkpoint (the next save)
-            self.tidy.attempt(self.store, f"apply retention after {name}", layout.apply_retention, self.store,
-                              job.step, self.cfg.keep_last, self.cfg.keep_every, self.lineage, None, self.tidy)
-        except Exception:  # a checkpoint retention cannot read (an unsafe or old-format one): not a failed save
-            log.exception("retention after %s failed; the checkpoint is committed and training goes on", name)
+    def _publish(self, name: str) -> bool:
+        """Rank 0, after the commit: point ``latest`` at it; False when the storage refused (a
+        warning, ``layout.Housekeeping``; the next save tries again). Never fails the save: it is
+        committed, and failing it now would delete the only copy."""
+        return self.tidy.attempt(self.store, f"point {layout.LATEST} at {name}", layout.write_latest, self.store, name)
 
-    def _first_error(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
-        """Every rank: the first rank's error of a step every rank ran (rank 0 gathers, broadcasts;
-        the save's opening: ``_opening``)."""
-        errors = self._gather(error, job)
-        return self._opening(job, next((e for e in errors if e), None) if self.ctx.is_main else None)
+    def _retain(self, step: int) -> None:
+        """Rank 0, once ``latest`` names checkpoint ``step``: retention (``layout.apply_retention``),
+        so an older checkpoint is never deleted before a newer one is committed and published. It
+        cannot fail the save (a refused delete is a warning)."""
+        self.tidy.attempt(self.store, f"apply retention after {layout.step_name(step)}", layout.apply_retention,
+                          self.store, step, self.cfg.keep_last, self.cfg.keep_every, self.lineage, self.tidy)
 
     def _opening(self, job: SaveJob, error: tuple[str, str] | None) -> tuple[str, str] | None:
         """Every rank: rank 0's verdict on the save's first phase (``error``, rank 0's), broadcast
