@@ -7,10 +7,16 @@ metadata, each failed in the modes that broke the promise before (a transient fa
 budget, access denied, a kill just before or after), and each file of the newest checkpoint
 damaged. Every point runs the job in a forked process, then resumes it in another and checks every
 invariant. The whole enumeration (every call, every mode, S3 too) is ``bench/faultspace.py``.
+
+Then one point or two of each of the harness's other scenarios, the ones their property rests on:
+the lease's first renewal round (both locations) failed, while a second job tries to open the run;
+the stop path's commit never answering after SIGTERM, and the process killed right after it; the
+restore from a peer's replica after a node's disk is lost, its reads of the replica refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -87,3 +93,62 @@ def test_a_refused_read_of_a_local_marker_falls_back_to_the_durable_tier(tmp_pat
     n, verdicts = fs.enumerate_calls(space, modes=("denied",), points=markers)
     broken = [f"{v.point}: {'; '.join(v.broken)}" for v in verdicts if not v.held]
     assert not broken, broken
+
+
+# -- the lease, the stop path, restore from peers (tests/faultspace.py's lease, stop, peers kinds) --
+def _held(verdicts) -> None:
+    broken = [f"{v.point}: {'; '.join(v.broken)}" for v in verdicts if not v.held]
+    assert not broken, broken
+
+
+def test_a_failed_lease_renewal_neither_stops_the_job_nor_lets_a_second_job_in(space):
+    # ckpt.lease_timeout_s=2 (a renewal every 0.5 s); the job holds until its lease was renewed 4
+    # times, a second job then tries to open the run, and the job saves. Points: the first renewal
+    # round, both locations (the run directory's lease, then ckpt.dir's), each failed once
+    # (past the retry budget; refused). The judge asks: the second job refused in one line and
+    # nothing of the run changed (I3), the job saved and did not count the lease as lost (I4).
+    lease = dataclasses.replace(space, scenario=fs.Scenario("posix lease", space.scenario.ckpt_dir, 1, kind="lease"))
+    job = fs.count_calls(lease)
+    assert job["lease_calls"][:2] == ["replace_if(lease)", "replace_if(lease)"], job["lease_calls"]
+    verdicts = []
+    for point, mode in ((("lease", 1), "transient"), (("lease", 2), "denied")):
+        verdicts += fs.enumerate_calls(lease, modes=(mode,), points=[point], counted=job)[1]
+    _held(verdicts)
+    assert [v.point.split(": ", 1)[1] for v in verdicts] == [
+        "renewal call 1 replace_if(lease) in mode transient", "renewal call 2 replace_if(lease) in mode denied"]
+
+
+def test_sigterm_the_stop_path_ends_within_the_grace_period_with_the_newest_step_or_the_previous_one_whole(space):
+    # The job commits step 3, trains step 4, gets SIGTERM and runs the loop's stop path
+    # (ckpt.grace_s=4). Points: step 4's commit (its manifest) never answering (the bound: exit
+    # 143 within the grace, step 3 whole), and the process killed right after it (step 4 whole).
+    stop = dataclasses.replace(space, scenario=fs.Scenario("posix stop", space.scenario.ckpt_dir, 1, kind="stop"))
+    job = fs.count_calls(stop)
+    assert job["exit"] == fs.REQUEUE and job["saved"] == fs.START + 2 and job["stop_s"] < fs.GRACE_S, job
+    index = _index(job["calls"], r"write_bytes\(step_000004/manifest\.json\)")
+    assert index > job["signal_call"]  # a call of the stop path
+    n, verdicts = fs.enumerate_calls(stop, modes=(fs.HANG, "kill_after"), points=[index], counted=job)
+    _held(verdicts)
+    assert len(verdicts) == 2 and n == job["count"] - job["signal_call"]
+
+
+def test_restore_from_a_peer_replica_after_a_node_is_lost_is_one_save_whatever_fails(tmp_path_factory):
+    # 2 forked gloo ranks as 2 nodes, K=1: durable step 1, local step 2 replicated, node 1's disk
+    # lost; the resume takes rank 1's share from node 0's replica (count_calls checks it did).
+    # Points, each refused: node 0's read of that replica's piece file, and its read of the
+    # replica's marker as the repair plans its transfers (the enumeration found that one leaving
+    # node 1 waiting to receive until the process group's timeout: a hang, I4). Both ranks must
+    # fall back to durable step 1 together, and the resume after it restore exactly one save, bit
+    # for bit (I2). The other calls of the restore, every mode, the damaged replica files:
+    # bench/faultspace.py.
+    scenario = fs.Scenario("posix peers", lambda root: str(root / "shared"), keep_last=1, kind="peers")
+    space = fs.prepare_space(scenario, tmp_path_factory.mktemp("peers") / "work")
+    job = fs.count_calls(space)
+    restore = [i for _, i in fs.fault_points(space, job)]
+    read = _index(job["calls"], r"rank0: open_read\(step_000002/replica_of_rank_00001/rank_00001\.safetensors\)")
+    marker = [i for i in restore if job["calls"][i - 1] ==
+              "rank0: read_bytes(step_000002/replica_of_rank_00001/rank_00001.json)"]
+    assert read in restore and len(marker) >= 2  # read as the local steps are scanned, then by the repair
+    verdicts = fs.enumerate_calls(space, modes=("denied",), points=[read, marker[-1]], counted=job)[1]
+    _held(verdicts)
+    assert len(verdicts) == 2
