@@ -1,14 +1,15 @@
 """A bare, hand-written DDP training loop: the baseline podtrain's overhead is measured against.
 
 DistributedSampler over packed windows of the same shards, DataLoader, DDP, AdamW (fused), gradient
-accumulation with no_sync, the same model and batch. Run under torchrun; prints one JSON line with
-steady-state tokens/s (steps after the warm-up).
+accumulation with no_sync, the same model and batch. Run under torchrun; each rank prints one JSON line
+(``RankTimer``): steady-state tokens/s (steps after the warm-up) and its CPU seconds per step.
 """
 
 import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -30,6 +31,39 @@ class Windows(Dataset):
     def __getitem__(self, i):
         start = i * self.seq_len
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+
+class RankTimer:
+    """The one clock of ``train_throughput.py``, for every contender alike: wall time between two
+    barriers (after the same warm-up steps, to the end of the last step), and this rank's CPU time
+    over the same window (user + sys of every thread of the process: what load on a shared
+    machine distorts far less than wall time). ``stop`` prints one JSON line per rank."""
+
+    def __init__(self, name: str, tokens_per_step: int):
+        self.name, self.tokens_per_step = name, tokens_per_step
+        self.t0 = self.cpu0 = None
+
+    @staticmethod
+    def _sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the GPU's queued work belongs to the window it was issued in
+        if dist.is_initialized():
+            dist.barrier()
+
+    def start(self):
+        """After the warm-up steps, on every rank."""
+        self._sync()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def stop(self, steps: int):
+        """After the last of ``steps`` timed steps, on every rank: the JSON line."""
+        self._sync()
+        wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        line = json.dumps({"timed": self.name, "rank": rank, "steps": steps, "wall_s": wall,
+                           "tokens_per_s": steps * self.tokens_per_step / wall, "cpu_s_per_step": cpu / steps})
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: the ranks share the pipe
 
 
 def tiny_model(preset: str = "tiny"):
@@ -78,12 +112,10 @@ def main():
     loader = iter(DataLoader(ds, batch_size=args.micro, sampler=sampler, num_workers=0, drop_last=True,
                              pin_memory=cuda))
     accum = args.global_batch // (args.micro * world)
+    timer = RankTimer("bare", args.global_batch * args.seq_len)
     for step in range(args.steps):
         if step == args.warmup:
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
+            timer.start()
         for i in range(accum):
             rows = next(loader).to(device, non_blocking=True)
             ctx = contextlib.nullcontext() if i == accum - 1 else ddp.no_sync()
@@ -94,13 +126,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
-    tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len
-    if rank == 0:
-        print(json.dumps({"tokens_per_s": tokens / elapsed}), flush=True)
+    timer.stop(args.steps - args.warmup)
     del ddp, fwd
     import gc
 

@@ -3,18 +3,16 @@
 The tiny preset, packed windows of the same shard (``bare_ddp.Windows``) under the Trainer's own
 distributed sampler, micro-batch 8 with gradient accumulation up to the global batch, AdamW
 (fused) with warmup + cosine, gradient clipping at 1.0, fp32, no evaluation, no saving, no
-logging. Run under torchrun; prints one JSON line with steady-state tokens/s (after ``--warmup``
-optimizer steps, the wall time to the last step's end on rank 0).
+logging. Run under torchrun; each rank prints one JSON line (``bare_ddp.RankTimer``: after
+``--warmup`` optimizer steps, the wall time between barriers to the last step's end, and its CPU time).
 """
 
-import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from bare_ddp import Windows, tiny_model, workload_parser
+from bare_ddp import RankTimer, Windows, tiny_model, workload_parser
 
 
 def main():
@@ -33,19 +31,14 @@ def main():
         batch = torch.stack(rows)
         return {"input_ids": batch[:, :-1], "labels": batch[:, :-1].clone()}
 
-    class Timer(TrainerCallback):
-        t0 = None
-        t1 = None
+    timer = RankTimer("hf_trainer", args.global_batch * args.seq_len)
 
+    class Timer(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
             if state.global_step == args.warmup:
-                if dist.is_initialized():
-                    dist.barrier()
-                Timer.t0 = time.perf_counter()
+                timer.start()
             if state.global_step == args.steps:
-                if dist.is_initialized():
-                    dist.barrier()
-                Timer.t1 = time.perf_counter()
+                timer.stop(args.steps - args.warmup)
 
     with_tmp = os.environ.get("TMPDIR", "/tmp")
     targs = TrainingArguments(
@@ -61,9 +54,6 @@ def main():
     trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=collate,
                       callbacks=[Timer()])
     trainer.train()
-    tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"tokens_per_s": tokens / (Timer.t1 - Timer.t0)}), flush=True)
     # The DDP reducer must go before the process group: left to interpreter exit, gloo's can
     # abort ("terminate called without an active exception"; see MACHINE-NOTES).
     del trainer, model

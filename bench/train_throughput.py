@@ -1,30 +1,39 @@
 """podtrain at its DEFAULTS against a bare DDP loop and HF Trainer, paired by round, in one run.
 
-    .venv/bin/python bench/train_throughput.py [--steps 30] [--rounds 6] [--compile] [--no-hf]
+    .venv/bin/python bench/train_throughput.py [--steps 30] [--rounds 4] [--compile] [--no-hf]
         [--no-1rank] [--versus SRC] [--src SRC]
 
 On a shared machine absolute times mean little: what this prints are ratios paired by round.
-Every configuration runs once per round, the order reversed every other round (bare, HF Trainer,
-podtrain 2 ranks, podtrain 1 rank; then backwards), so the machine's drift hits them alike; each
-reports steady-state tokens/s after a warm-up of 10 optimizer steps. Each round prints its own
-ratios, and the verdict is on their median. The same model (tiny preset), data (the built-in
-corpus's shard), global batch (32 x 256 tokens, micro-batch 8 with accumulation), fp32, and warmup
-+ cosine AdamW with clipping at 1.0. podtrain runs at its defaults (hang watchdog, straggler
-monitor, stop-signal agreement, guard, goodput, async checkpointing all on) with only evaluation
-and intermediate checkpoints off (``eval.every=0 ckpt.every=0``, as the baselines have neither)
-and the progress bar off. With ``--compile`` podtrain runs ``train.compile=true`` against a
-compiled bare loop (HF Trainer is left out). ``--versus SRC`` adds podtrain from another source
-tree (``git archive <commit> src | tar -x -C DIR``; SRC=DIR/src) to each round, for bisecting;
-``--src SRC`` runs podtrain itself from such a tree.
+One clock for every contender (``bare_ddp.RankTimer``): the ranks themselves time the wall between
+two barriers, from the end of the 10th optimizer step to the end of the last, and each rank's CPU
+seconds (user + sys, all threads) over the same window; podtrain runs its unchanged CLI under
+``podtrain_timed.py``, which puts that timer around its steps. Each round runs every configuration
+twice, in an order that cancels drift and the order effect within the round (A B B A, then B A A B
+the next round: a linear drift and a bonus for running second hit every configuration alike);
+a configuration's value in a round is the geometric mean of its two runs, and the verdict is on
+the median over rounds of the rounds' ratios. The order effect itself is printed: from the pair
+podtrain/bare, how much faster a run is when it follows the other (sqrt of the ratio with bare
+first over the ratio with podtrain first), so it is seen, not guessed. The same model (tiny
+preset), data (the built-in corpus's shard), global batch (32 x 256 tokens, micro-batch 8 with
+accumulation), fp32, and warmup + cosine AdamW with clipping at 1.0. podtrain runs at its
+defaults (hang watchdog, straggler monitor, stop-signal agreement, guard, goodput, garbage
+collection on its schedule, async checkpointing all on) with only evaluation and intermediate
+checkpoints off (``eval.every=0 ckpt.every=0``, as the baselines have neither) and the progress
+bar off. With ``--compile`` podtrain runs ``train.compile=true`` against a compiled bare loop (HF
+Trainer is left out). ``--versus SRC`` adds podtrain from another source tree (``git archive
+<commit> src | tar -x -C DIR``; SRC=DIR/src) to each round, for bisecting; ``--src SRC`` runs
+podtrain itself from such a tree.
 Printed, the median over rounds of each round's ratio:
   podtrain / bare DDP loop      target >= 0.99   (PASS/MISS)
   podtrain / HF Trainer         target >= 1.00
   2 ranks / (2 x 1 rank)        scaling efficiency of podtrain, target >= 0.95
+and CPU seconds per step per rank (podtrain / bare), the figure load distorts least.
 """
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,8 +45,9 @@ from podtrain.launch.local import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-WARMUP = 10  # optimizer steps before measuring (podtrain: its first log intervals, demo log.every=5)
+WARMUP = 10  # optimizer steps before the clocks start, for every contender alike
 TARGET_BARE = 0.99
+SEQ = 256
 
 
 def torchrun(nproc, *args, src=None):
@@ -51,36 +61,55 @@ def torchrun(nproc, *args, src=None):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
 
 
-def script_tokens_per_s(name, script, data, steps, *extra):
-    out = torchrun(2, str(REPO / "bench" / script), "--data", data, "--steps", str(steps),
-                   "--warmup", str(WARMUP), *extra)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or not lines:
+def timed(name, out, nproc):
+    """The ranks' ``RankTimer`` lines -> tokens/s (rank 0's clock: the barriers make them equal)
+    and CPU seconds per step (the ranks' mean)."""
+    lines, decoder, at = [], json.JSONDecoder(), out.stdout.find('{"timed"')
+    while at >= 0:  # each rank's line (robust to two lines run together in the shared pipe)
+        line, end = decoder.raw_decode(out.stdout, at)
+        lines.append(line)
+        at = out.stdout.find('{"timed"', end)
+    if out.returncode or len(lines) != nproc:
         sys.exit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])["tokens_per_s"]
+    rank0 = next(x for x in lines if x["rank"] == 0)
+    return {"tokens_per_s": rank0["tokens_per_s"],
+            "cpu_s_per_step": statistics.mean(x["cpu_s_per_step"] for x in lines)}
+
+
+def script(name, script_name, data, steps, *extra):
+    out = torchrun(2, str(REPO / "bench" / script_name), "--data", data, "--steps", str(steps),
+                   "--warmup", str(WARMUP), *extra)
+    return timed(name, out, 2)
 
 
 def podtrain(data, steps, nproc, compile_, src=None):
     src = src.resolve() if src else None
     with tempfile.TemporaryDirectory() as run_dir:
         global_batch = 32 if nproc == 2 else 16  # 1 rank: half the global batch, same per-rank work
-        out = torchrun(nproc, "-m", "podtrain.cli", "train", str(REPO / "configs/demo.yaml"),
-                       f"data.path={data}", f"run.dir={run_dir}", f"train.steps={steps}",
-                       f"train.global_batch_size={global_batch}", "eval.every=0", "ckpt.every=0",
-                       "log.progress=off", f"train.compile={'true' if compile_ else 'false'}", src=src)
-        if out.returncode:
-            sys.exit(f"podtrain failed:\n{out.stderr[-3000:]}")
-        records = [json.loads(x) for x in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-        steady = [r for r in records if r.get("kind") == "train" and r["step"] > WARMUP]
-        # tokens/s of the steady log intervals, weighted by their duration
-        tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady)
-        return tokens / sum(r["step_time_s"] for r in steady)
+        out = torchrun(nproc, str(REPO / "bench" / "podtrain_timed.py"), "--warmup", str(WARMUP),
+                       "--steps", str(steps), "--tokens-per-step", str(global_batch * SEQ),
+                       str(REPO / "configs/demo.yaml"), f"data.path={data}", f"run.dir={run_dir}",
+                       f"train.steps={steps}", f"train.global_batch_size={global_batch}", f"data.seq_len={SEQ}",
+                       "eval.every=0", "ckpt.every=0", "log.progress=off",
+                       f"train.compile={'true' if compile_ else 'false'}", src=src)
+        return timed("podtrain", out, nproc)
+
+
+def geomean(values):
+    return math.prod(values) ** (1 / len(values))
+
+
+def round_order(names, r):
+    """A B B A, and B A A B the next round: within a round every configuration's mean position is
+    the same (a linear drift cancels), and each runs once after and once before the others."""
+    first = list(names) if r % 2 == 0 else list(reversed(names))
+    return first + list(reversed(first))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="leave HF Trainer out")
     ap.add_argument("--no-1rank", action="store_true", help="leave podtrain's 1-rank run out")
@@ -92,15 +121,14 @@ def main():
         sys.exit(f"--steps must exceed the warm-up of {WARMUP} steps")
     if not Path(args.data, "manifest.json").exists():
         subprocess.run([PY, "-m", "podtrain.cli", "prepare", "builtin", "--out", args.data], check=True)
-    runs = {"bare": lambda: script_tokens_per_s("bare loop", "bare_ddp.py", args.data, args.steps,
-                                                *(["--compile"] if args.compile else []))}
+    runs = {"bare": lambda: script("bare loop", "bare_ddp.py", args.data, args.steps,
+                                   *(["--compile"] if args.compile else []))}
     hf_missing = [m for m in ("accelerate",) if importlib.util.find_spec(m) is None]
     if hf_missing and not (args.compile or args.no_hf):
         print(f"HF Trainer left out: {', '.join(hf_missing)} not installed (the bench extra: "
               "pip install -e '.[bench]')", flush=True)
     if not (args.compile or args.no_hf or hf_missing):
-        runs["hf_trainer"] = lambda: script_tokens_per_s("HF Trainer", "hf_trainer_baseline.py",
-                                                         args.data, args.steps)
+        runs["hf_trainer"] = lambda: script("HF Trainer", "hf_trainer_baseline.py", args.data, args.steps)
     runs["podtrain"] = lambda: podtrain(args.data, args.steps, 2, args.compile, src=args.src)
     if args.versus:
         runs["versus"] = lambda: podtrain(args.data, args.steps, 2, args.compile, src=args.versus)
@@ -115,28 +143,55 @@ def main():
     if "podtrain_1rank" in runs:
         ratios["2 vs 1 rank"] = lambda t: t["podtrain"] / (2 * t["podtrain_1rank"])
     results = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
     per_round = {k: [] for k in ratios}
+    cpu_ratio, order_effect = [], []
     for r in range(args.rounds):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))  # alternate who goes first
-        tps = {name: runs[name]() for name in order}
-        for name, v in tps.items():
-            results[name].append(v)
+        order = round_order(runs, r)
+        got = {name: [] for name in runs}
+        for name in order:
+            got[name].append(runs[name]())
+        tps = {name: geomean([x["tokens_per_s"] for x in v]) for name, v in got.items()}
+        cps = {name: statistics.mean(x["cpu_s_per_step"] for x in v) for name, v in got.items()}
+        for name in runs:
+            results[name].append(tps[name])
+            cpu[name].append(cps[name])
         for k, f in ratios.items():
             per_round[k].append(f(tps))
-        print(f"round {r + 1} ({' -> '.join(order)}): "
+        cpu_ratio.append(cps["podtrain"] / cps["bare"])
+        # The pair podtrain/bare in the round's first half and in its second, where their order is
+        # reversed: the square root of the two ratios' quotient is the bonus of running second.
+        pt, bare = got["podtrain"], got["bare"]
+        after_bare = pt[0]["tokens_per_s"] / bare[0]["tokens_per_s"]  # the half where bare ran first
+        before_bare = pt[1]["tokens_per_s"] / bare[1]["tokens_per_s"]
+        if order.index("podtrain") < order.index("bare"):
+            after_bare, before_bare = before_bare, after_bare
+        order_effect.append(math.sqrt(after_bare / before_bare))
+        print(f"round {r + 1} ({' '.join(order)}): "
               + ", ".join(f"{k} {v:,.0f}" for k, v in tps.items()) + " tok/s | "
-              + ", ".join(f"{k} {v[-1]:.3f}" for k, v in per_round.items()), flush=True)
-    print(f"\n2 ranks, CPU/gloo, 1 thread each, tiny preset, seq 256, global batch 32, {args.steps} steps "
-          f"({WARMUP} warm-up), compile={args.compile}, {args.rounds} rounds:")
+              + ", ".join(f"{k} {v[-1]:.3f}" for k, v in per_round.items())
+              + f" | CPU s/step podtrain {cps['podtrain']:.3f} bare {cps['bare']:.3f} ({cpu_ratio[-1]:.3f})"
+              + f" | running second x{order_effect[-1]:.3f}", flush=True)
+    print(f"\n2 ranks, CPU/gloo, 1 thread each, tiny preset, seq {SEQ}, global batch 32, {args.steps} steps "
+          f"({WARMUP} warm-up), compile={args.compile}, {args.rounds} rounds, each configuration twice a round:")
     for k, v in results.items():
         print(f"  {k:<16} median {statistics.median(v):>10,.0f} tok/s   rounds: {', '.join(f'{x:,.0f}' for x in v)}")
+    print("CPU seconds per optimizer step per rank (user + sys, all threads; load distorts it least):")
+    for k, v in cpu.items():
+        print(f"  {k:<16} median {statistics.median(v):.4f}   rounds: {', '.join(f'{x:.4f}' for x in v)}")
+    print(f"  podtrain/bare CPU per step, paired by round: median {statistics.median(cpu_ratio):.3f}   rounds: "
+          + ", ".join(f"{x:.3f}" for x in cpu_ratio))
+    print(f"order effect: a run right after the other contender is x{statistics.median(order_effect):.3f} "
+          f"as fast (median over rounds: {', '.join(f'{x:.3f}' for x in order_effect)}); cancelled in the "
+          "ratios below by the A B B A order")
     print("ratios paired by round (median of the rounds' ratios):")
     for k, v in per_round.items():
         print(f"  {k:<18} {statistics.median(v):.3f}   rounds: {', '.join(f'{x:.3f}' for x in v)}")
     med = statistics.median(per_round["podtrain/bare"])
     bare_name = "the compiled bare DDP loop" if args.compile else "the bare DDP loop"
     print(f"{'PASS' if med >= TARGET_BARE else 'MISS'}: podtrain at its defaults / {bare_name} = {med:.3f} "
-          f"paired median over {args.rounds} rounds (target >= {TARGET_BARE})")
+          f"paired median over {args.rounds} rounds (target >= {TARGET_BARE}); geometric mean "
+          f"{geomean(per_round['podtrain/bare']):.3f}")
     if "podtrain/hf" in per_round:
         print(f"  podtrain / HF Trainer {statistics.median(per_round['podtrain/hf']):.3f} (target >= 1.00)")
     if "2 vs 1 rank" in per_round:

@@ -97,6 +97,11 @@ class TrainSection:
     Float8Linear, that recipe's scaling; pip extra fp8), on GPUs of compute capability 8.9+ (H100,
     H200, L40S); the embedding, LM head and the rest stay in train.precision, weights in fp32.
     Under fsdp/hsdp, tensorwise all-gathers the weights in FP8. On CPU it runs, slowly (tests)."""
+    gc_every: int = 50
+    """Python's garbage collector on a schedule all ranks share: set-up's objects frozen, the automatic
+    collector off, a young-generation collection after every N-th step (a full one every 10th time
+    and at each save), so no rank pauses alone while the others wait at the gradient AllReduce.
+    0: Python's automatic collector (train/gc_schedule.py)."""
 
 
 @dataclass

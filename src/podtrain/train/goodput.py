@@ -125,12 +125,15 @@ class GoodputClock:
         else:
             category = "productive"
         self.seconds[category] += seconds
+        self._recent.pop(step, None)  # booked again (a rollback's redo): it becomes the newest
         self._recent[step] = (category, seconds)
         if self._lost_at is not None and self.recovery is None:
             self.recovery = recovery_budget(self._lost_at, process_start_time(), self.started,
                                             self._steps_started or self.started, now, self._restore)
         if len(self._recent) > 10_000:
-            del self._recent[min(self._recent)]
+            # The oldest booked, first in the dict's order: O(1). A min() over the window cost
+            # every step from the 10,001st on a scan of 10,000 keys (~0.4 ms of host time).
+            del self._recent[next(iter(self._recent))]
 
     def step_seconds(self) -> float:
         """Mean wall seconds per step of this attempt so far (0 before the first)."""

@@ -48,6 +48,7 @@ from podtrain.observe.metrics import MetricsWriter, open_run_metrics
 from podtrain.observe.profile import StepProfiler, parse_steps
 from podtrain.train.stragglers import StragglerMonitor
 from podtrain.train.evaluations import Evaluations, describe
+from podtrain.train.gc_schedule import GcSchedule
 from podtrain.train.goodput import GoodputClock
 from podtrain.train.interval import LogInterval
 from podtrain.train.gpu_defaults import apply_gpu_defaults, set_allocator_default
@@ -149,6 +150,8 @@ class Trainer:
         self.profiler: StepProfiler | None = None
         self.result = TrainResult(step=0)
         self.goodput = GoodputClock(time.time())
+        self.gc = GcSchedule(cfg.train.gc_every)
+        """The garbage collector at agreed step boundaries (``train.gc_every``), from the first step on."""
         self.guard: Guard | None = None
         self.saves: SaveSchedule | None = None
         self.state: TrainState | None = None
@@ -299,6 +302,7 @@ class Trainer:
         progress, loader, stepper = state.progress, state.loader, state.learner.stepper
         total, tokens_per_step = cfg.train.steps, cfg.train.global_batch_size * cfg.data.seq_len
         self.console = Progress(cfg.log.progress, total, progress.step, enabled=ctx.is_main)
+        self.gc.start()  # set-up's objects frozen, automatic collection off (train/gc_schedule.py)
         if progress.step >= total:
             log.info("nothing to do: the run is at step %d of train.steps=%d (raise train.steps to "
                      "continue, or use a new run.dir)", progress.step, total)
@@ -333,6 +337,8 @@ class Trainer:
             # bug) must not cost the steps since the last save, at every restart again.
             if tier := saving.due(state, total):
                 interval.exclude(saving.save(state, tier, must=last) or 0.0)
+            # At this boundary on every rank alike: a save is a point they all wait at anyway.
+            self.gc.after_step(progress.step, agreed_point=bool(tier))
             if self.evals.due(progress.step, last):
                 interval.exclude(state.goodput.add("eval", self._evaluate(last)))
         state.stop_signal.drain()
@@ -455,6 +461,7 @@ class Trainer:
             self.watchdog = None
 
     def _release(self) -> None:
+        self.gc.close()  # Python's collector as it was before this training
         if self.profiler is not None:
             self.profiler.finish()  # a run stopped inside profile.steps keeps the steps it traced
         if self.loader is not None:

@@ -56,6 +56,9 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
     before starting torchrun, so a mistake is one line, not a worker failure. ``manifests``: the
     S3 sources' manifests rank 0 read for every rank (``data.sources.shared_manifests``)."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+    if cfg.train.gc_every < 0:
+        raise UserError(f"config key 'train.gc_every' must not be negative, got {cfg.train.gc_every} "
+                        "(0: Python's automatic garbage collector)")
     for line in config_warnings(cfg):
         # INFO: what every rank finds alike is said once, by rank 0 (the others log WARNING up).
         log.info("warning: %s", line)
