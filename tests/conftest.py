@@ -9,9 +9,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,9 +47,15 @@ def s3_bucket(s3_server) -> str:
 #   two-node trainings that would each want the whole machine, one after another on one worker;
 # - "<module>::<fixture>": the tests sharing a module-scoped fixture they ask for (a trained run, a
 #   prepared corpus), so it is built once. Autouse module fixtures (import warm-ups) group nothing.
-# Heavy tests (marked e2e, cluster or slow) are handed out first, so that the last minutes are not one
-# worker finishing a long test while the other idles. Session fixtures that several workers use (the
-# golden torchrun run) are built once under a lock in the session's folder and shared, not grouped.
+# Heavy tests are handed out first, so that the last minutes are not one worker finishing a long test
+# while the others idle: the "cluster" group first (the longest on one worker: Slurm's scheduling,
+# two-node trainings, mostly waiting, so it overlaps the rest of the suite), then the tests marked e2e
+# or slow, then the rest; within each, larger groups first, then file order. xdist hands out the
+# groups in the order their first test has here only without its own reorder (by group size alone, on
+# by default: 57 tests of eight groups, cheap ones among them, went before the Slurm group, which
+# started ~150 s in), which pytest_configure turns off (tests/test_suite_schedule.py). Session
+# fixtures that several workers use (the golden torchrun run) are built once under a lock in the
+# session's folder and shared, not grouped.
 
 
 def xdist_group_of(item) -> str | None:
@@ -70,8 +73,28 @@ def xdist_group_of(item) -> str | None:
     return None
 
 
-def _heavy(item) -> bool:
-    return any(item.get_closest_marker(m) for m in ("cluster", "e2e", "slow"))
+def group_name(item) -> str | None:
+    """The name in ``item``'s xdist_group mark (ours or the test file's own), or None."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return mark.args[0] if mark.args else mark.kwargs.get("name")
+
+
+def start_order(items) -> dict[str, tuple[int, int]]:
+    """Each item's sort key, by node id: (0 the cluster group, 1 the other heavy tests (e2e, slow),
+    2 the rest; then larger groups first, as xdist's own reorder does, a group's tests running one
+    after another on one worker)."""
+    from collections import Counter
+
+    sizes = Counter(group_name(item) for item in items)
+    keys = {}
+    for item in items:
+        kind = 0 if item.get_closest_marker("cluster") else (
+            1 if any(item.get_closest_marker(m) for m in ("e2e", "slow")) else 2)
+        group = group_name(item)
+        keys[item.nodeid] = (kind, -sizes[group] if group else -1)
+    return keys
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
@@ -83,7 +106,8 @@ def pytest_collection_modifyitems(session, config, items):
             group = xdist_group_of(item)
             if group and not item.get_closest_marker("xdist_group"):
                 item.add_marker(pytest.mark.xdist_group(group))
-        items.sort(key=lambda item: not _heavy(item))  # stable: heavy ones first, in file order
+        keys = start_order(items)
+        items.sort(key=lambda item: keys[item.nodeid])  # stable: in file order within each
     if any(item.name == HYPERPOD_TEST for item in items):
         start_hyperpod_resolution()
 
@@ -128,11 +152,21 @@ SESSION_VAR = "PODTRAIN_TEST_SESSION"
 
 def pytest_configure(config):
     """Name this session (the controller's name, inherited by xdist's workers, which it starts
-    later): the folder the workers share for the background resolution carries it."""
+    later): the folder the workers share for the background resolution carries it. Under
+    --dist loadgroup, hand the groups out in ``start_order``'s order (xdist's own reorder off). A
+    process that runs tests uses one torch thread."""
     if not os.environ.get(SESSION_VAR):
         import uuid
 
         os.environ[SESSION_VAR] = uuid.uuid4().hex[:12]
+    if getattr(config.option, "loadscopereorder", False):  # the controller's scheduler reads it
+        config.option.loadscopereorder = False  # keep start_order (see above), not xdist's by-size order
+    if os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "dist", "no") == "no":
+        # A process that runs tests: one compute thread (OMP_NUM_THREADS above may be a user's).
+        # Not xdist's controller, which runs none: torch there cost every `make test` ~2 s of CPU.
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def _session_folder(kind: str) -> Path:

@@ -65,6 +65,26 @@ def test_preset_sizes(preset, millions):
     assert preset in PRESETS
 
 
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", {}), ("tiny", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+    ("llama-1b", dict(num_hidden_layers=2)), ("llama-8b", dict(num_hidden_layers=2)),
+    ("qwen2.5-0.5b", dict(num_hidden_layers=2)), ("qwen2.5-0.5b", dict(num_hidden_layers=2, tie_word_embeddings=False)),
+    ("gpt2-124m", dict(n_layer=2)), ("gpt2-124m", dict(n_layer=2, n_inner=1000, tie_word_embeddings=False)),
+])
+def test_the_formula_counts_equal_the_built_models(preset, overrides):
+    """What a launcher and `podtrain plan` count without building the model equals what building it
+    on the meta device counts (parameters and input embedding), for each preset and the flags the
+    formula reads; another architecture is not guessed."""
+    from podtrain.model import formula_counts, meta_counts
+
+    config = preset_config(preset, 320 if preset == "tiny" else None)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    assert formula_counts(config) == meta_counts(config)
+    config.model_type = "mistral"
+    assert formula_counts(config) is None
+
+
 def test_flops_per_token_counts_the_tied_head_and_attention():
     config = preset_config("tiny", 320)
     model = build_model(config, seed=0)

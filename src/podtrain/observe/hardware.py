@@ -89,9 +89,21 @@ def best_matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, bud
     return best
 
 
-def measure_cpu_matmul_flops(size: int = 768) -> float:
-    """fp32 matmul FLOP/s of this process with its current thread count (the CPU 'peak')."""
-    return 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32)
+CPU_PEAK_SIZE = 384
+"""The square fp32 matmul that measures a CPU's peak: ~1 ms on one core (~100 GFLOP/s), so a trial
+fits in a scheduler time slice (a 768 matmul took ~18 ms: its 20 trials cost every rank 0.25-0.4 s of
+CPU at start, and a loaded machine interrupted most of them), and its operands fit the caches, so it
+runs at least as fast as a training's own matmuls."""
+
+CPU_PEAK_BUDGET_S = 0.1
+"""Seconds of trials for the CPU peak: ~100 trials of ``CPU_PEAK_SIZE`` (at least 20); every rank pays
+it at start-up."""
+
+
+def measure_cpu_matmul_flops(size: int = CPU_PEAK_SIZE, budget_s: float = CPU_PEAK_BUDGET_S) -> float:
+    """fp32 matmul FLOP/s of this process with its current thread count (the CPU 'peak'): the best
+    of the ~1 ms trials ``best_matmul_seconds`` makes within ``budget_s``."""
+    return 2.0 * size**3 / best_matmul_seconds(torch.device("cpu"), size, torch.float32, budget_s)
 
 
 def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:

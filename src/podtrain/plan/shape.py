@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from podtrain.config import RunConfig
 from podtrain.data.manifest import MANIFEST_NAME, Manifest, read_manifest
 from podtrain.data.mixture import primary_path
-from podtrain.model import attention_width, hf_folder_config, model_size, num_layers, preset_config, round_up
+from podtrain.model import (attention_width, formula_counts, hf_folder_config, meta_counts, num_layers,
+                            preset_config, round_up, size_from_counts)
 from podtrain.plan.memory import ModelShape
 
 
@@ -126,12 +125,10 @@ def mean_document_tokens(cfg: RunConfig) -> float | None:
 
 
 def config_shape(config: Any, seq_len: int) -> ModelShape:
-    """The ``ModelShape`` of a transformers model config at ``seq_len``, counted on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    size = model_size(model, config, seq_len)
+    """The ``ModelShape`` of a transformers model config at ``seq_len``: counted by formula for the
+    built-in presets' architectures, else on the meta device (``podtrain.model.formula_counts``)."""
+    params, embedding = formula_counts(config) or meta_counts(config)
+    size = size_from_counts(params, embedding, config, seq_len)
     return shape_of(config, size.params, size.embedding_params, size.matmul_params,
                     size.flops_per_token)
 
