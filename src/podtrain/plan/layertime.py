@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from podtrain.plan.memory import ModelShape
-from podtrain.plan.steptime import RECOMPUTE_SHARE, decoder_matmul_params
+from podtrain.plan.steptime import LayerTiming, decoder_matmul_params
 
 # Largest forward + backward timed at full size (FLOPs of one layer, or of the ends): above it
 # fewer sequences are timed and scaled. ~1 s on one CPU core; a few ms on a GPU.
@@ -50,62 +49,6 @@ MAX_TIMED_FLOPS = 4e10
 MAX_SEQUENCE_FLOPS = 2e11
 MAX_MODEL_BYTES = 4 << 30
 TRIALS = 5
-
-
-@dataclass(frozen=True)
-class LayerTiming:
-    """One micro-batch's pieces and one optimizer step's, measured on this host (seconds)."""
-
-    layer_s: float
-    """One decoder layer's forward + backward for one micro-batch (attention included)."""
-    attention_s: float
-    """The attention inside ``layer_s`` (SDPA forward + backward, as the run computes it)."""
-    ends_s: float
-    """Embedding, final norm, LM head and cross-entropy, forward + backward, one micro-batch."""
-    optimizer_layer_s: float
-    """Clipping and AdamW over one layer's parameters."""
-    optimizer_ends_s: float
-    """Clipping and AdamW over the embedding, final norm and (untied) LM head."""
-    layers: int
-    """Decoder layers of the run's model (what ``layer_s`` is scaled by)."""
-    timed_sequences: int
-    """Sequences actually timed (``micro_batch`` when the micro-batch was timed whole)."""
-    micro_batch: int
-    device: str
-    """Where it was timed: ``cpu`` or ``cuda``."""
-    dtype: str
-    """The run's precision it was timed in."""
-    masked: bool = False
-    """Attention timed with the run's document mask (``data.document_masking``)."""
-
-    def micro_batch_s(self, checkpointing: bool) -> float:
-        """One micro-batch's forward + backward through the whole model."""
-        layer = self.layer_s * (1 + RECOMPUTE_SHARE if checkpointing else 1)
-        return self.layers * layer + self.ends_s
-
-    def optimizer_s(self, shards: int) -> float:
-        """One optimizer step over this rank's share (``shards``: FSDP/HSDP divide the state)."""
-        return (self.layers * self.optimizer_layer_s + self.optimizer_ends_s) / max(1, shards)
-
-    def as_dict(self) -> dict[str, Any]:
-        """For the plan's JSON: what was timed."""
-        return {"timed": ["decoder_layer", "attention", "embedding_head_loss", "optimizer"],
-                "layer_s": self.layer_s, "attention_s": self.attention_s, "ends_s": self.ends_s,
-                "optimizer_layer_s": self.optimizer_layer_s, "optimizer_ends_s": self.optimizer_ends_s,
-                "layers": self.layers, "timed_sequences": self.timed_sequences,
-                "micro_batch": self.micro_batch, "device": self.device, "dtype": self.dtype,
-                "masked_attention": self.masked}
-
-    def describe(self) -> str:
-        """The plan's compute line."""
-        scaled = (f", {self.timed_sequences} of {self.micro_batch} sequences timed and scaled"
-                  if self.timed_sequences != self.micro_batch else "")
-        masked = ", document-masked" if self.masked else ""
-        return (f"timed on this host's {self.device} in {self.dtype} at the run's shapes: decoder layer "
-                f"{self.layer_s * 1e3:.1f} ms (attention {self.attention_s * 1e3:.1f} ms{masked}) "
-                f"x {self.layers} + embedding/LM head/loss {self.ends_s * 1e3:.1f} ms per micro-batch{scaled}; "
-                f"optimizer {self.optimizer_layer_s * 1e3:.2f} ms per layer + "
-                f"{self.optimizer_ends_s * 1e3:.2f} ms")
 
 
 def _sequence_flops(shape: ModelShape, seq_len: int) -> tuple[float, float]:

@@ -22,7 +22,8 @@ from podtrain.errors import UserError
 from podtrain.launch import instances
 from podtrain.plan.calibrate import calibrate
 from podtrain.plan.fit import Devices
-from podtrain.plan.layertime import LayerTiming, measurable, time_step_pieces
+from podtrain.plan.layertime import measurable, time_step_pieces
+from podtrain.plan.steptime import LayerTiming
 from podtrain.plan.memory import ModelShape
 from podtrain.plan.published import FP8_GPU_MODELS, FP8_MIN_CAPABILITY
 from podtrain.observe.hardware import PEAK_FLOPS, best_matmul_seconds, device_memory_bytes

@@ -35,7 +35,6 @@ from podtrain.diagnostics.busbw import bus_factor
 from podtrain.plan.memory import GRAD_BYTES, ModelShape, checkpoint_bytes
 
 if TYPE_CHECKING:
-    from podtrain.plan.layertime import LayerTiming
     from podtrain.plan.published import Adjustment
 
 OPTIMIZER_BYTES_PER_PARAM = 32
@@ -149,6 +148,63 @@ def exposed_s(comm_s: float, hiding_s: float, pieces: int) -> float:
 RECOMPUTE_SHARE = 1 / 3
 """Activation checkpointing runs each layer's forward again in the backward: a third more of a
 layer's forward + backward (the backward costs twice the forward)."""
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One micro-batch's pieces and one optimizer step's, measured on this host (seconds):
+    ``plan/layertime.py`` measures them, the step-time model here scales them by layers."""
+
+    layer_s: float
+    """One decoder layer's forward + backward for one micro-batch (attention included)."""
+    attention_s: float
+    """The attention inside ``layer_s`` (SDPA forward + backward, as the run computes it)."""
+    ends_s: float
+    """Embedding, final norm, LM head and cross-entropy, forward + backward, one micro-batch."""
+    optimizer_layer_s: float
+    """Clipping and AdamW over one layer's parameters."""
+    optimizer_ends_s: float
+    """Clipping and AdamW over the embedding, final norm and (untied) LM head."""
+    layers: int
+    """Decoder layers of the run's model (what ``layer_s`` is scaled by)."""
+    timed_sequences: int
+    """Sequences actually timed (``micro_batch`` when the micro-batch was timed whole)."""
+    micro_batch: int
+    device: str
+    """Where it was timed: ``cpu`` or ``cuda``."""
+    dtype: str
+    """The run's precision it was timed in."""
+    masked: bool = False
+    """Attention timed with the run's document mask (``data.document_masking``)."""
+
+    def micro_batch_s(self, checkpointing: bool) -> float:
+        """One micro-batch's forward + backward through the whole model."""
+        layer = self.layer_s * (1 + RECOMPUTE_SHARE if checkpointing else 1)
+        return self.layers * layer + self.ends_s
+
+    def optimizer_s(self, shards: int) -> float:
+        """One optimizer step over this rank's share (``shards``: FSDP/HSDP divide the state)."""
+        return (self.layers * self.optimizer_layer_s + self.optimizer_ends_s) / max(1, shards)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the plan's JSON: what was timed."""
+        return {"timed": ["decoder_layer", "attention", "embedding_head_loss", "optimizer"],
+                "layer_s": self.layer_s, "attention_s": self.attention_s, "ends_s": self.ends_s,
+                "optimizer_layer_s": self.optimizer_layer_s, "optimizer_ends_s": self.optimizer_ends_s,
+                "layers": self.layers, "timed_sequences": self.timed_sequences,
+                "micro_batch": self.micro_batch, "device": self.device, "dtype": self.dtype,
+                "masked_attention": self.masked}
+
+    def describe(self) -> str:
+        """The plan's compute line."""
+        scaled = (f", {self.timed_sequences} of {self.micro_batch} sequences timed and scaled"
+                  if self.timed_sequences != self.micro_batch else "")
+        masked = ", document-masked" if self.masked else ""
+        return (f"timed on this host's {self.device} in {self.dtype} at the run's shapes: decoder layer "
+                f"{self.layer_s * 1e3:.1f} ms (attention {self.attention_s * 1e3:.1f} ms{masked}) "
+                f"x {self.layers} + embedding/LM head/loss {self.ends_s * 1e3:.1f} ms per micro-batch{scaled}; "
+                f"optimizer {self.optimizer_layer_s * 1e3:.2f} ms per layer + "
+                f"{self.optimizer_ends_s * 1e3:.2f} ms")
 
 
 def decoder_matmul_params(shape: ModelShape) -> int:
