@@ -215,6 +215,19 @@ class Scenario:
         return self
 
 
+def restored_record(state, model, opt, ctx) -> dict[str, Any]:
+    """What a job reports of the save it restored (judged against that step's reference): the step,
+    the weights' and optimizer's fingerprint, the train state, and the draws of its restored RNG."""
+    from podtrain.ckpt.state import restore_rng
+
+    out = {"restored": state.step, "state": fingerprint(model, opt),
+           "train_state": {k: state.train_state.get(k) for k in ("step", "tokens_seen", "loader")}}
+    if state.rng is not None:
+        restore_rng(state.rng, ctx.device)
+        out["draws"] = draws()
+    return out
+
+
 def run_job(root: Path, scenario: Scenario, result: Path, injector: "Injector | None" = None) -> None:
     """One job (see the module docstring), in the calling process; writes what happened to ``result``.
     A ``lease`` scenario's job holds after its restore until the lease was renewed
@@ -223,7 +236,6 @@ def run_job(root: Path, scenario: Scenario, result: Path, injector: "Injector | 
     import torch.distributed  # noqa: F401 (imported before any thread starts)
 
     from podtrain.ckpt.checkpointer import Checkpointer
-    from podtrain.ckpt.state import restore_rng
     from podtrain.distributed.env import ClusterEnv
     from podtrain.distributed.group import DistContext
 
@@ -235,12 +247,7 @@ def run_job(root: Path, scenario: Scenario, result: Path, injector: "Injector | 
         try:
             state = ck.restore(model, opt, None, fresh=lambda: model.load_state_dict(tiny_model()[0].state_dict()))
             if state is not None:
-                out["restored"] = state.step
-                out["state"] = fingerprint(model, opt)
-                out["train_state"] = {k: state.train_state.get(k) for k in ("step", "tokens_seen", "loader")}
-                if state.rng is not None:
-                    restore_rng(state.rng, ctx.device)
-                    out["draws"] = draws()
+                out.update(restored_record(state, model, opt, ctx))
             step = (state.step if state is not None else 0) + 1
             if scenario.kind == "lease" and injector is not None:
                 _hold_for_renewals(injector)
@@ -434,16 +441,8 @@ def run_peer_rank(root: Path, scenario: Scenario, result: Path, rank: int, port:
                                    fresh=lambda: model.load_state_dict(tiny_model()[0].state_dict()))
                 out["restore_calls"] = injector.counts["job"] if injector is not None else 0
                 if state is not None:
-                    out["restored"] = state.step
-                    out["from"] = str(state.path)
-                    out["peer_bytes"] = ck.restored.peer_bytes
-                    out["state"] = fingerprint(model, opt)
-                    out["train_state"] = {k: state.train_state.get(k) for k in ("step", "tokens_seen", "loader")}
-                    if state.rng is not None:
-                        from podtrain.ckpt.state import restore_rng
-
-                        restore_rng(state.rng, ctx.device)
-                        out["draws"] = draws()
+                    out.update(restored_record(state, model, opt, ctx), **{
+                        "from": str(state.path), "peer_bytes": ck.restored.peer_bytes})
                 step = (state.step if state is not None else 0) + 1
                 train_step(model, opt, step)
                 seed_rngs(step)
