@@ -131,7 +131,7 @@ class Checkpointer:
         self._outage_since: float | None = None
         """When saves started failing for a transient storage fault (monotonic), or None."""
         self.restorer = Restorer(ctx, cfg, self.run_dir, self.identity, self.store, self.local, self._pool,
-                                 self._writer.group, self._local_writer.group if self._local_writer else None,
+                                 self._writer.side_group, self._local_writer.group if self._local_writer else None,
                                  self._writer.tidy)
         self.restored = Restored()
         """What the last ``restore`` did (``podtrain.ckpt.restore.Restored``)."""

@@ -97,7 +97,8 @@ class Restorer:
         """``cfg``: the ``ckpt`` section (resume, resume_from, resume_from_reset); ``identity``: this
         run's (a branch records its parent there and in RUN_DIR/lineage.json); ``store``/``local``:
         the durable and node-local tiers (or None); ``pool``: the staging pool reads go through;
-        ``group``/``local_group``: the gloo groups of the tiers' writers, which must be idle
+        ``group``: the durable writer's ``side_group`` (called where a load needs the group: it is
+        made there, collectively); ``local_group``: the local writer's group; both must be idle
         (``Checkpointer.quiesce``); ``tidy``: the clean-up of unfinished saves (best effort)."""
         self.ctx, self.cfg, self.run_dir, self.identity = ctx, cfg, Path(run_dir), identity
         self.store, self.local, self.pool, self.tidy = store, local, pool, tidy
@@ -113,8 +114,9 @@ class Restorer:
         out.state = state = self._restore(model, optimizer, scaler, check, resume, fresh)
         local = state is not None and out.tier == "local"
         total = torch.tensor([0 if state is None else out.bytes_read, out.peer_bytes], dtype=torch.int64)
-        if self.group is not None:  # one small sum over the gloo group, once per start
-            dist.all_reduce(total, group=self.group)
+        group = self.group() if state is not None else None  # None on every rank alike: nothing to sum
+        if group is not None:  # one small sum over the gloo group, once per start
+            dist.all_reduce(total, group=group)
         disk, peers = (int(v) for v in total)
         out.budget = {
             "restore_s": time.perf_counter() - t0, "tier": out.tier,
@@ -310,7 +312,8 @@ class Restorer:
             log.warning("checkpoint %s failed its checks on %d rank(s) (rank %d: %s): every rank falls "
                         "back to the previous checkpoint", where, len(bad), rank, why)
             return None
-        raw = agreed(self.ctx, where, lambda: finish(plan, net, optimizer, self.group))
+        group = self.group()  # every rank is here: the checks above are agreed
+        raw = agreed(self.ctx, where, lambda: finish(plan, net, optimizer, group))
         if scaler is not None and raw.get("scaler"):
             scaler.load_state_dict(raw["scaler"])
         self.last.saved_step = step

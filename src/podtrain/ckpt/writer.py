@@ -2,7 +2,12 @@
 
 The step loop hands a ``SaveJob`` to ``CheckpointWriter.submit``; one background thread per rank
 then runs the save's phases (``PHASES``), their collectives in a fixed order on a gloo group of its
-own (created by every rank in ``__init__``), so they never interleave with the main thread's:
+own, so they never interleave with the main thread's. The durable tier's group is made at its first
+use (``side_group``: the first save, or a restore that loads a checkpoint), by every rank at that
+agreed point on the main thread: a gloo group runs a thread that wakes every 10 ms, which on a
+CPU host preempts the ranks' compute (measured ~3% of a step, ``bench/train_throughput.py``), so a
+job that never saves or restores never pays for it. The local tier's group is made in ``__init__``
+(its hosts are gathered there).
 
 1. prepare: rank 0 re-reads the run's lease (a job that lost the run writes nothing) and clears
    the step's directory (an earlier timeline's, or a killed save's; an empty one costs one
@@ -158,8 +163,8 @@ class CheckpointWriter:
 
     def __init__(self, store, cfg: CkptSection, ctx: DistContext, local: bool = False,
                  still_owned: Callable[[], str | None] = lambda: None, lineage: str | None = None) -> None:
-        """Every rank constructs one (it creates the background gloo group collectively);
-        ``local``: the node-local tier (see the module docstring). ``still_owned`` (rank 0): None
+        """Every rank constructs one, at the same point (the local tier creates its gloo group
+        collectively here; the durable tier's is made by ``side_group``); ``local``: the node-local tier (see the module docstring). ``still_owned`` (rank 0): None
         while this job still holds the run, else why not: asked just before the commit, so a job
         that lost its run never commits or prunes in it. ``lineage``: retention keeps its hands
         off other runs' checkpoints."""
@@ -173,8 +178,10 @@ class CheckpointWriter:
         self.cfg = cfg
         self.ctx = ctx
         self.group = None
-        if ctx.initialized and ctx.world_size > 1 and dist.is_initialized():
-            self.group = new_side_group(CKPT_GROUP_TIMEOUT_S)
+        """The save's gloo group (None: one rank, or not made yet: ``side_group``)."""
+        self._group_due = ctx.initialized and ctx.world_size > 1 and dist.is_initialized()
+        if local:
+            self.side_group()
         self.ring = replicas.Ring((), ())
         """Where this rank's local pieces are replicated (``podtrain.ckpt.replicas``)."""
         self.looked_after = [ctx.rank]
@@ -215,8 +222,19 @@ class CheckpointWriter:
                             ", ".join(map(str, alone)))
         return ring
 
+    def side_group(self):
+        """This writer's gloo group, made at its first call (None with one rank). Collective: every
+        rank calls it at the same point of the main thread (a save's submit, a restore's load),
+        never the writer thread, so group creations keep one order on every rank."""
+        if self._group_due:
+            self._group_due = False
+            self.group = new_side_group(CKPT_GROUP_TIMEOUT_S)
+        return self.group
+
     def submit(self, job: SaveJob) -> None:
-        """Queue ``job`` for the background thread (started on first use); ``job.done`` tells."""
+        """Queue ``job`` for the background thread (started on first use); ``job.done`` tells.
+        Every rank submits the same saves in the same order (its group is made at the first)."""
+        self.side_group()
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="podtrain-ckpt", daemon=True)
             self._thread.start()
@@ -243,7 +261,7 @@ class CheckpointWriter:
                 self._thread = None
         if stopped:
             release_side_group(self.group, "checkpoint")
-            self.group = None
+            self.group, self._group_due = None, False
         if self.replicator is not None:  # its copies' thread: stopped, or left to end alone (False)
             stopped = self.replicator.close(timeout=None if deadline is None else deadline.remaining()) and stopped
         return stopped
