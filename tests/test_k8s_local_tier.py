@@ -128,8 +128,11 @@ def test_the_local_tier_must_fit_the_memory_backed_dev_shm(tmp_path, capsys):
 
 def test_the_size_check_counts_the_nodes_share_and_its_peer_replicas(tmp_path, capsys):
     # llama-8b: 8,030,261,248 parameters x 12 bytes = 89.75 GiB; over 4 nodes 22.44 GiB each, twice
-    # (own pieces and one peer's replica), 3 steps: 134.6 GiB, far beyond the default 32Gi.
+    # (own pieces and one peer's replica), 3 steps: 134.6 GiB, far beyond the default 32Gi. The
+    # model is counted with the preset's own vocabulary: data.path names no prepared data (the demo
+    # config's data/builtin, once `make demo` has prepared it, would give the byte vocabulary).
     llama = ("model.preset=llama-8b", "train.micro_batch_size=1", "train.global_batch_size=32",
+             f"data.path={tmp_path / 'not-prepared'}",
              "ckpt.local_dir=/dev/shm/podtrain", *LOCAL)
     job = ("--nodes", "4", "--gpus-per-node", "8", "--image", IMAGE, "--pvc", "fsx")
     err = refused(tmp_path, capsys, *job, *llama)
