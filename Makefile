@@ -20,12 +20,13 @@ TORCH_STAMP := $(VENV)/.torch-$(TORCH_HASH)
 STAMP := $(VENV)/.installed-$(TORCH_HASH)
 DEMO_STAMP := $(VENV)/.demo-$(TORCH_HASH)
 
-# Test workers: one per usable core (a container's or taskset's share) and one more, at most 8.
-# One more because the end-to-end tests spend much of their time waiting (a 35 s slow save, a
-# stalled rank, a rendezvous, Slurm's scheduling): measured on 2 cores, 3 workers kept 1.7 cores busy
-# and ran the suite in 505 s where 2 workers took ~600 s. --dist loadgroup keeps the tests that
-# share a trained run, and the Slurm and network-namespace tests, on one worker each (tests/conftest.py).
-TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 1))' 2>/dev/null || echo 3)
+# Test workers: one per usable core (a container's or taskset's share) and three more, at most 8.
+# More than the cores because the end-to-end tests spend much of their time waiting (a 35 s slow
+# save, a stalled rank, a rendezvous, Slurm's scheduling, a storage retry's back-off): measured on 2
+# cores the same day with the same background load, 3 workers ran the suite in 764 s, 5 in 685 s
+# (earlier: 2 workers ~600 s, 3 workers 505 s, on a smaller suite). --dist loadgroup keeps the tests
+# that share a trained run, and the Slurm and network-namespace tests, on one worker each (tests/conftest.py).
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 3))' 2>/dev/null || echo 5)
 # Bytecode: every rank, torchrun agent and CLI subprocess imports torch and transformers afresh. uv
 # installs without .pyc files, and where the environment sets PYTHONDONTWRITEBYTECODE (as these
 # machines do) Python never caches them, so each process compiled ~1,500 source files again: a

@@ -104,6 +104,16 @@ def test_train_and_launch_local_on_a_read_only_run_dir(capsys, read_only, tmp_pa
     assert f"cannot write {read_only / 'run'}" in line and "read-only" in line
 
 
+def test_a_run_dir_where_no_folder_can_be_made_is_one_line(capsys, tmp_path, repo, monkeypatch):
+    """/proc cannot hold folders (mkdir says ENOENT, which is otherwise left a traceback)."""
+    monkeypatch.chdir(repo)
+    data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)
+    args = ["configs/demo.yaml", f"data.path={data}", "run.dir=/proc/podtrain-run", *BASE, "train.steps=1"]
+    for argv in (["train", *args], ["launch", "local", *args, "--nproc", "2", "train.global_batch_size=4"]):
+        line = _one_line(capsys, main(argv))
+        assert line.startswith("podtrain: error: cannot create /proc/podtrain-run") and "cannot hold folders" in line, line
+
+
 def test_train_on_a_full_disk_ends_with_one_line(capsys, full_disk, tmp_path, repo, monkeypatch):
     monkeypatch.chdir(repo)
     data = make_data_dir(tmp_path / "data", shard_tokens=(3000,), val_tokens=600)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from podtrain.errors import UserError
+
 FILE_MODE = 0o644
 """Mode of published files when the umask cannot be read (what open() gives under umask 022)."""
 
@@ -55,7 +57,14 @@ def writable_dir(path: str | os.PathLike) -> Path:
     names the path, and ``errors.storage_error`` makes it one line.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileNotFoundError as exc:
+        # ENOENT from mkdir with parents: a parent that cannot hold folders (a pseudo file system
+        # such as /proc, a mount gone meanwhile). The user's path to fix, where another ENOENT is
+        # more likely a bug (``errors.STORAGE_ERRNOS`` leaves it out for that reason).
+        raise UserError(f"cannot create {path}: {exc.filename} cannot hold folders "
+                        "(a pseudo file system, or a mount that is gone); choose another location") from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".podtrain-probe-", dir=path)
         try:
