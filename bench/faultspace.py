@@ -28,6 +28,9 @@ S3 (the real client against a moto server on loopback, started here) with ``keep
 three: the lease's renewal calls in the four modes, every call of the stop path in ``hang``, the
 peer restore's reads of the replica refused and its files damaged (``flip``).
 
+``--only-s3 --s3-keep-last 2`` runs the S3 scenario with ``keep_last=2`` (a save then deletes a
+whole older checkpoint: its LIST and batched deletes are fault points too).
+
 Ends with "N fault points x M modes: all invariants held" per scenario, or names every point that
 broke one (and exits 1).
 """
@@ -95,6 +98,8 @@ def main() -> int:
                     "a subset of the lease, stop-path and peer-restore scenarios")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 scenario")
     ap.add_argument("--only-s3", action="store_true", help="only the S3 scenario")
+    ap.add_argument("--s3-keep-last", type=int, default=1, help="ckpt.keep_last of the S3 scenario (default 1; "
+                    "2: retention deletes a whole older checkpoint on S3 at each save)")
     ap.add_argument("--only-local", action="store_true", help="only the POSIX scenario with a node-local tier")
     ap.add_argument("--only", default="", help="comma-separated among lease, stop, peers: only these of the "
                     "lease, stop-path and peer-restore scenarios (and none of the others)")
@@ -118,8 +123,9 @@ def main() -> int:
 
         server, saved = start_with_env()
         bucket = server.new_bucket()
-        scenarios.append((fs.Scenario("s3 keep_last=1", lambda root: f"s3://{bucket}/shared", keep_last=1, s3=True),
-                          fs.S3Snapshots(server.boto)))
+        kept = args.s3_keep_last
+        scenarios.append((fs.Scenario(f"s3 keep_last={kept}", lambda root: f"s3://{bucket}/shared", keep_last=kept,
+                                      s3=True), fs.S3Snapshots(server.boto)))
     if args.only_local:
         scenarios = [(fs.Scenario("posix + local tier", lambda root: str(root / "shared"), keep_last=1, local=True), None)]
     kinds = [k for k in args.only.split(",") if k] if args.only else [] if args.no_new or args.only_s3 or \
