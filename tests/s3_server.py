@@ -7,8 +7,10 @@ to look behind the store's back (incomplete multipart uploads, raw objects).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import threading
 import time
 import uuid
 
@@ -26,6 +28,7 @@ class S3Server:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        atomic_conditional_writes()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
@@ -73,6 +76,34 @@ class S3Server:
     def stop(self) -> None:
         """Stop the server thread."""
         self._server.stop()
+
+
+def atomic_conditional_writes() -> None:
+    """Make moto's conditional writes one step, as S3's are. moto checks ``If-Match`` /
+    ``If-None-Match`` and then writes, with nothing held between the two, and its server answers
+    each request on a thread of its own: two conditional PUTs of one key that arrive together can
+    both pass the check (seen in CI: both racers of ``test_lease_cas`` took over one stale lease,
+    A=True B=True). Every conditional PUT and DELETE takes one lock for its check and its write;
+    unconditional requests do not (no test races one against a conditional write), so part uploads
+    stay parallel. Patched once per process, on the class every request's handler is made from."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "podtrain_atomic_conditional_writes", False):
+        return
+    lock = threading.Lock()
+
+    def one_step(method):
+        @functools.wraps(method)
+        def checked_and_written_under_the_lock(self):
+            if self.headers.get("If-Match") or self.headers.get("If-None-Match"):
+                with lock:
+                    return method(self)
+            return method(self)
+        return checked_and_written_under_the_lock
+
+    S3Response.put_object = one_step(S3Response.put_object)
+    S3Response.delete_object = one_step(S3Response.delete_object)
+    S3Response.podtrain_atomic_conditional_writes = True
 
 
 def start_with_env() -> tuple[S3Server, dict]:

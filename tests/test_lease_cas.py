@@ -156,6 +156,45 @@ def test_two_processes_racing_on_s3_have_exactly_one_winner_every_round(s3_serve
             assert not open_store(f"{base}/r{i:02d}/stale").exists(LEASE_FILE)
 
 
+def test_the_test_s3_servers_conditional_writes_are_one_step_as_on_s3(s3_server, s3_bucket, monkeypatch):
+    """The race above is only as good as its server: moto checks a precondition and then writes,
+    and two conditional PUTs arriving together both passed once (s3_server.atomic_conditional_writes
+    closes that). The window between the check and the write is widened to 0.3 s here: of two
+    If-Match PUTs on the same ETag exactly one may succeed, and of two If-None-Match PUTs too."""
+    import threading
+
+    import botocore.exceptions
+    from moto.s3.responses import S3Response
+
+    real = S3Response._get_checksum  # called by put_object after its precondition check
+
+    def slow_checksum(self, *args, **kwargs):
+        time.sleep(0.3)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Response, "_get_checksum", slow_checksum)
+    boto = s3_server.boto
+    etag = boto.put_object(Bucket=s3_bucket, Key="k", Body=b"old")["ETag"]
+    for condition, key in (({"IfMatch": etag}, "k"), ({"IfNoneMatch": "*"}, "new")):
+        won, gate = [], threading.Barrier(2)
+
+        def put(who: str) -> None:
+            gate.wait(WAIT_S)
+            try:
+                boto.put_object(Bucket=s3_bucket, Key=key, Body=who.encode(), **condition)
+                won.append(who)
+            except botocore.exceptions.ClientError as exc:
+                assert exc.response["ResponseMetadata"]["HTTPStatusCode"] == 412, exc
+
+        threads = [threading.Thread(target=put, args=(who,)) for who in ("A", "B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert len(won) == 1, f"{condition}: {won} both succeeded"
+        assert boto.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == won[0].encode()
+
+
 @pytest.mark.slow  # processes of their own (spawned: an interpreter each)
 def test_two_processes_racing_on_posix_have_exactly_one_winner_every_round(tmp_path):
     base = str(tmp_path / "race")
