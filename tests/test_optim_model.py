@@ -85,6 +85,19 @@ def test_the_formula_counts_equal_the_built_models(preset, overrides):
     assert formula_counts(config) is None
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_a_presets_numbers_have_the_shape_of_its_transformers_config(preset):
+    """``launch local`` checks a run against a preset's numbers (no transformers import); they must
+    give the shape the ranks' transformers config gives, field for field, at the data's vocabulary
+    and at the preset's own; a config.json path has no numbers (transformers reads it)."""
+    from podtrain.model import preset_numbers
+    from podtrain.plan.shape import config_shape
+
+    for vocab in (320, None):
+        assert config_shape(preset_numbers(preset, vocab), 512) == config_shape(preset_config(preset, vocab), 512)
+    assert preset_numbers("configs/some/config.json") is None
+
+
 def test_flops_per_token_counts_the_tied_head_and_attention():
     config = preset_config("tiny", 320)
     model = build_model(config, seed=0)

@@ -59,7 +59,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, vocab_size=320),
     # GPT-2 small (124M with its 50257-token vocabulary).
     "gpt2-124m": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024,
-                      vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                      vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      tie_word_embeddings=True),  # GPT2Config's default, said here for preset_numbers
     # The public Qwen2.5-0.5B config.json's architecture numbers.
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -107,6 +108,24 @@ def preset_config(preset: str, vocab_size: int | None = None) -> Any:
         config.vocab_size = vocab_size
     config.use_cache = False  # training never reuses the KV cache
     return config
+
+
+def preset_numbers(preset: str, vocab_size: int | None = None) -> Any | None:
+    """A built-in preset's architecture numbers as the attributes of a config (``model_type``,
+    ``hidden_size``, ...; what ``formula_counts`` and ``plan.shape`` read, their transformers
+    defaults where the preset leaves one out), without importing transformers; None for a
+    config.json path, whose defaults only transformers knows. For checks that need the model's
+    shape and not the model (``launch local``'s pre-flight: importing transformers' config
+    machinery there cost ~2.4 s of CPU before torchrun could start); tests/test_optim_model.py
+    checks that its shape equals ``preset_config``'s for every preset."""
+    from types import SimpleNamespace
+
+    if preset not in PRESETS:
+        return None
+    numbers = dict(PRESETS[preset])
+    if vocab_size is not None:
+        numbers["vocab_size"] = vocab_size
+    return SimpleNamespace(**numbers)
 
 
 HF_CONFIG = "config.json"

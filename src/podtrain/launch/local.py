@@ -161,4 +161,4 @@ def _check_before_starting(cfg, world_size: int, local_world_size: int, device_b
     from podtrain.train.preflight import check_run
 
     device = resolve_device(resolve_backend(cfg.dist.backend), 0)
-    check_run(cfg, world_size, local_world_size, device, device_bytes)
+    check_run(cfg, world_size, local_world_size, device, device_bytes, shape_only=True)

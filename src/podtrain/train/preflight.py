@@ -17,7 +17,7 @@ from podtrain.config import RunConfig, accumulation_steps
 from podtrain.data.samples import SampleIndex
 from podtrain.data.sources import DataSources
 from podtrain.errors import UserError
-from podtrain.model import init_config, preset_config, round_up
+from podtrain.model import init_config, preset_config, preset_numbers, round_up
 from podtrain.observe.hardware import device_memory_bytes
 from podtrain.observe.trackers import resolve_trackers
 from podtrain.plan.fit import Devices, check_memory
@@ -47,14 +47,17 @@ class CheckedRun:
 
 def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
               device: torch.device, device_bytes: int | None = None,
-              manifests: list | None = None) -> CheckedRun:
+              manifests: list | None = None, shape_only: bool = False) -> CheckedRun:
     """The checks one process can make alone, raising a one-line UserError on a mistake: the
     batch arithmetic, the data (manifest, vocabulary, enough tokens per split), the model preset
     and whether the job fits one device's memory (``device_bytes``, else the device's own): the
     check ``podtrain plan`` and the cluster launchers make (``plan.fit.check_memory``), which also
     decides FSDP's accumulation mode. Every rank runs it at start, and ``launch local`` runs it
     before starting torchrun, so a mistake is one line, not a worker failure. ``manifests``: the
-    S3 sources' manifests rank 0 read for every rank (``data.sources.shared_manifests``)."""
+    S3 sources' manifests rank 0 read for every rank (``data.sources.shared_manifests``).
+    ``shape_only``: a caller that builds no model (``launch local``) gets a built-in preset's
+    numbers (``model.preset_numbers``) as ``model_config``, not a transformers config: the same
+    checks without importing transformers."""
     accum = accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     if cfg.train.gc_every < 0:
         raise UserError(f"config key 'train.gc_every' must not be negative, got {cfg.train.gc_every} "
@@ -70,7 +73,7 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         vocab = int(model_config.vocab_size)
     else:
         vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-        model_config = preset_config(cfg.model.preset, vocab)
+        model_config = (shape_only and preset_numbers(cfg.model.preset, vocab)) or preset_config(cfg.model.preset, vocab)
     sources.check_vocab(vocab)
     val_indexes = sources.val_indexes() if cfg.eval.every else {}
     shape = config_shape(model_config, cfg.data.seq_len)
