@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
 
@@ -41,7 +42,7 @@ class RankTimer:
 
     def __init__(self, name: str, tokens_per_step: int):
         self.name, self.tokens_per_step = name, tokens_per_step
-        self.t0 = self.cpu0 = None
+        self.t0 = self.cpu0 = self.faults0 = None
 
     @staticmethod
     def _sync():
@@ -54,14 +55,17 @@ class RankTimer:
         """After the warm-up steps, on every rank."""
         self._sync()
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def stop(self, steps: int):
         """After the last of ``steps`` timed steps, on every rank: the JSON line."""
         self._sync()
         wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults0
         rank = dist.get_rank() if dist.is_initialized() else 0
         line = json.dumps({"timed": self.name, "rank": rank, "steps": steps, "wall_s": wall,
-                           "tokens_per_s": steps * self.tokens_per_step / wall, "cpu_s_per_step": cpu / steps})
+                           "tokens_per_s": steps * self.tokens_per_step / wall, "cpu_s_per_step": cpu / steps,
+                           "minor_faults_per_step": faults / steps})
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: the ranks share the pipe
 

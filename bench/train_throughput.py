@@ -73,7 +73,8 @@ def timed(name, out, nproc):
         sys.exit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     rank0 = next(x for x in lines if x["rank"] == 0)
     return {"tokens_per_s": rank0["tokens_per_s"],
-            "cpu_s_per_step": statistics.mean(x["cpu_s_per_step"] for x in lines)}
+            "cpu_s_per_step": statistics.mean(x["cpu_s_per_step"] for x in lines),
+            "faults_per_step": statistics.mean(x.get("minor_faults_per_step", 0) for x in lines)}
 
 
 def script(name, script_name, data, steps, *extra):
@@ -153,6 +154,7 @@ def main():
             got[name].append(runs[name]())
         tps = {name: geomean([x["tokens_per_s"] for x in v]) for name, v in got.items()}
         cps = {name: statistics.mean(x["cpu_s_per_step"] for x in v) for name, v in got.items()}
+        faults = {name: statistics.mean(x["faults_per_step"] for x in v) for name, v in got.items()}
         for name in runs:
             results[name].append(tps[name])
             cpu[name].append(cps[name])
@@ -171,7 +173,8 @@ def main():
               + ", ".join(f"{k} {v:,.0f}" for k, v in tps.items()) + " tok/s | "
               + ", ".join(f"{k} {v[-1]:.3f}" for k, v in per_round.items())
               + f" | CPU s/step podtrain {cps['podtrain']:.3f} bare {cps['bare']:.3f} ({cpu_ratio[-1]:.3f})"
-              + f" | running second x{order_effect[-1]:.3f}", flush=True)
+              + f" | running second x{order_effect[-1]:.3f}"
+              + " | minor page faults/step " + ", ".join(f"{k} {v:,.0f}" for k, v in faults.items()), flush=True)
     print(f"\n2 ranks, CPU/gloo, 1 thread each, tiny preset, seq {SEQ}, global batch 32, {args.steps} steps "
           f"({WARMUP} warm-up), compile={args.compile}, {args.rounds} rounds, each configuration twice a round:")
     for k, v in results.items():
