@@ -74,7 +74,7 @@ def timed(name, out, nproc):
     rank0 = next(x for x in lines if x["rank"] == 0)
     return {"tokens_per_s": rank0["tokens_per_s"],
             "cpu_s_per_step": statistics.mean(x["cpu_s_per_step"] for x in lines),
-            "faults_per_step": statistics.mean(x.get("minor_faults_per_step", 0) for x in lines)}
+            "faults_per_step": statistics.mean(x["minor_faults_per_step"] for x in lines)}
 
 
 def script(name, script_name, data, steps, *extra):

@@ -160,15 +160,22 @@ def test_the_test_s3_servers_conditional_writes_are_one_step_as_on_s3(s3_server,
     """The race above is only as good as its server: moto checks a precondition and then writes,
     and two conditional PUTs arriving together both passed once (s3_server.atomic_conditional_writes
     closes that). The window between the check and the write is widened to 0.3 s here: of two
-    If-Match PUTs on the same ETag exactly one may succeed, and of two If-None-Match PUTs too."""
+    If-Match PUTs on the same ETag exactly one may succeed, and of two If-None-Match PUTs too. The
+    widened step runs once per condition: the loser was refused at its check, before it; were it
+    ever before the check (another moto), it would run twice and the test would say so rather than
+    pass without testing anything."""
     import threading
 
     import botocore.exceptions
     from moto.s3.responses import S3Response
 
     real = S3Response._get_checksum  # called by put_object after its precondition check
+    widened = []
 
     def slow_checksum(self, *args, **kwargs):
+        precondition = self.headers.get("If-Match") or self.headers.get("If-None-Match")
+        if precondition:  # not the setup's plain PUT
+            widened.append(precondition)
         time.sleep(0.3)
         return real(self, *args, **kwargs)
 
@@ -193,6 +200,8 @@ def test_the_test_s3_servers_conditional_writes_are_one_step_as_on_s3(s3_server,
             t.join(WAIT_S)
         assert len(won) == 1, f"{condition}: {won} both succeeded"
         assert boto.get_object(Bucket=s3_bucket, Key=key)["Body"].read() == won[0].encode()
+        assert len(widened) == 1, f"{condition}: the widened step ran {len(widened)} times, not once after the check"
+        widened.clear()
 
 
 @pytest.mark.slow  # processes of their own (spawned: an interpreter each)

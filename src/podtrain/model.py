@@ -112,9 +112,9 @@ def preset_config(preset: str, vocab_size: int | None = None) -> Any:
 
 def preset_numbers(preset: str, vocab_size: int | None = None) -> Any | None:
     """A built-in preset's architecture numbers as the attributes of a config (``model_type``,
-    ``hidden_size``, ...; what ``formula_counts`` and ``plan.shape`` read, their transformers
-    defaults where the preset leaves one out), without importing transformers; None for a
-    config.json path, whose defaults only transformers knows. For checks that need the model's
+    ``hidden_size``, ...: what ``formula_counts`` and ``plan.shape`` read; where a preset leaves a
+    field out, their own ``getattr`` defaults must be transformers' defaults), without importing
+    transformers; None for a config.json path, whose defaults only transformers knows. For checks that need the model's
     shape and not the model (``launch local``'s pre-flight: importing transformers' config
     machinery there cost ~2.4 s of CPU before torchrun could start); tests/test_optim_model.py
     checks that its shape equals ``preset_config``'s for every preset."""

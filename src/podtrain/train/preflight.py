@@ -73,7 +73,8 @@ def check_run(cfg: RunConfig, world_size: int, local_world_size: int,
         vocab = int(model_config.vocab_size)
     else:
         vocab = cfg.model.vocab_size or round_up(manifest.vocab_size, 64)
-        model_config = (shape_only and preset_numbers(cfg.model.preset, vocab)) or preset_config(cfg.model.preset, vocab)
+        numbers = preset_numbers(cfg.model.preset, vocab) if shape_only else None
+        model_config = numbers if numbers is not None else preset_config(cfg.model.preset, vocab)
     sources.check_vocab(vocab)
     val_indexes = sources.val_indexes() if cfg.eval.every else {}
     shape = config_shape(model_config, cfg.data.seq_len)
