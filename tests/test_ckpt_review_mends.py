@@ -214,6 +214,71 @@ def test_a_save_retrying_but_making_progress_is_not_cancelled_one_making_none_is
         ck.close()
 
 
+def test_after_an_outage_a_healthy_save_asked_about_at_once_is_not_cancelled(tmp_path):
+    """Seen in CI (an outage from step 6 to 9, saves every 3 steps): the save of step 12, begun
+    after the outage and writing, was cancelled at step 15 as "still retrying with no progress",
+    so the first commit after the outage was step 15. Two misreadings, each enough: "retrying" was
+    the store's ``failing_since``, which the outage's last (cancelled) operation had left set; and
+    a save first asked about (at once: an agreed outage makes the step loop wait 0 s) had its
+    progress counted over no time at all. Now "retrying" is an operation failing now, and progress
+    counts from the save's start."""
+    ck = Checkpointer(tmp_path / "run", CkptSection(save_wait_s=0.6), single_ctx())
+    try:
+        policy = ck.store.retry
+
+        with pytest.raises(Transient, match="cancelled after 1 tries"):
+            _cancelled_after_a_failed_try(policy)  # the outage's last operation; nothing ran since
+        assert policy.failing_since is not None and not policy.retrying
+        ck._failing_agreed = True  # the last round saw the outage: due saves are asked about at once
+        job = SaveJob(step=12, rng={})
+        ck._pending, ck._last_step = job, 12
+        job.files_written = 3  # the healthy save: the step cleared, a sidecar, a small file written
+        assert ck._settle(must=False, step=15) is False  # still being written: this due save skipped
+        assert not job.cancel.cancelled, job.cancel.reason
+        # With an operation retrying now, the progress since its start still keeps it (asked at once)...
+        job2 = SaveJob(step=15, rng={}, files_written=2)
+        ck._pending = job2
+        release, tries = threading.Event(), {"n": 0}
+
+        def flaky():
+            tries["n"] += 1
+            if tries["n"] == 1:
+                raise Transient("test", "503 SlowDown")
+            release.wait(30)
+
+        retrier = threading.Thread(target=lambda: policy.run("test", flaky), daemon=True)
+        retrier.start()
+        end = time.monotonic() + 5
+        while not (policy.retrying and tries["n"] >= 2):
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert ck._settle(must=False, step=18) is False and not job2.cancel.cancelled, job2.cancel.reason
+        # ... and, retrying with nothing done since it was last asked about, it gives way.
+        assert ck._settle(must=False, step=21) is False
+        assert job2.cancel.cancelled, "a retrying save without progress must give way to the newest state"
+        release.set()
+        retrier.join(5)
+        assert not policy.retrying  # the operation ended: nothing retries any more
+    finally:
+        ck._pending = None
+        ck.close()
+
+
+def _cancelled_after_a_failed_try(policy):
+    """One ``policy.run`` refused once, then cancelled during its back-off (as the newest state's
+    save ends an outage's stale one)."""
+    from podtrain.storage.retry import Cancel, cancellation
+
+    token = Cancel()
+
+    def refused():
+        token.cancel("a newer save")
+        raise Transient("test", "503 SlowDown")
+
+    with cancellation(token):
+        policy.run("test", refused)
+
+
 # -- c. a broken replica group is made anew on the main thread -----------------------------------------
 def _mended_on_main(rank, world, base):
     import torch.distributed as dist

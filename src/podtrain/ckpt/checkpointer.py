@@ -272,9 +272,9 @@ class Checkpointer:
         by the rules ``save`` states (``ckpt.save_wait_s``, ``must``, the newest state wins, a stop's
         ``deadline``). Its failure is raised or, for a transient storage fault, logged; an outage
         longer than ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). A
-        save retrying with no progress on any rank since it was last asked about (``writer.progress``:
-        a slow storage that is working finishes its save) is cancelled, then waited for
-        ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
+        save retrying now (``RetryPolicy.retrying``) with no progress on any rank since it was last
+        asked about, or since it began (``writer.progress``: a slow storage that is working
+        finishes its save) is cancelled, then waited for ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
         so every rank decides the same (only rank 0, which commits, may see the storage fail; the
         deadline's expiry is agreed too, since the signal reached each rank at its own moment)."""
         job = self._pending_local if local else self._pending
@@ -288,8 +288,6 @@ class Checkpointer:
             return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
 
         cancelled, after_cancel = False, 0.0
-        if job.progress_seen < 0:  # first asked about now: its progress counts from here
-            job.progress_seen = progress(job)
         while True:  # every rank runs the same iterations: each ends in the same all_reduce
             # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
             # last step's save (must) waits in 1 s rounds until done or past the outage bound; a
@@ -309,7 +307,7 @@ class Checkpointer:
             # never a healthy save that is merely slow.
             since = failing()
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
-            retrying_here = not here and store.retry.failing_since is not None
+            retrying_here = not here and store.retry.retrying
             now = progress(job)
             moved_here = not here and now > job.progress_seen
             job.progress_seen = now

@@ -136,8 +136,10 @@ class SaveJob:
     copy on) go on (``Replicator.pause``)."""
     files_written: int = 0
     """Storage operations of this save that completed (a step cleared, a sidecar, a small file...)."""
-    progress_seen: int = -1
-    """``progress`` when the step loop last asked about this save (``Checkpointer._settle``; -1: never)."""
+    progress_seen: int = 0
+    """``progress`` when the step loop last asked about this save (``Checkpointer._settle``); 0, its
+    start, until then: a save first asked about is judged by all it did since it began, never by a
+    window of no time (a step loop that asks at once, in an outage, would see no progress)."""
     save_id: str = ""
     """This save's identity (``new_save_id``, made by rank 0 in the writer thread and broadcast at
     the save's opening): in the manifest, every sidecar, every local marker and so every replica."""

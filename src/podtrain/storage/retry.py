@@ -132,7 +132,9 @@ class RetryPolicy:
 
     failing_since: float | None = field(default=None, compare=False)
     """When (monotonic) this store's operations began failing transiently, until one succeeds
-    (None: the last operation succeeded): how long an outage has lasted, for the checkpointer."""
+    (None: the last operation succeeded): how long an outage has lasted, for the checkpointer.
+    It outlives the operation that set it (one given up or cancelled), so it does not say whether
+    anything is retrying now: ``retrying`` does."""
 
     def __post_init__(self):
         if self.base_s <= 0 or self.cap_s < self.base_s or self.budget_s < 0:
@@ -142,10 +144,11 @@ class RetryPolicy:
         self._rng = random.Random(self.seed)
         self._rng_lock = threading.Lock()
         self._wakers_lock = threading.Lock()
+        self._retrying = 0  # operations now between a failed try and their end (under _wakers_lock)
 
     def __getstate__(self):  # a store crosses into DataLoader workers: locks and events do not pickle
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_abandoned", "_local", "_rng", "_rng_lock", "_wakers", "_wakers_lock")}
+                 if k not in ("_abandoned", "_local", "_rng", "_rng_lock", "_wakers", "_wakers_lock", "_retrying")}
         state["_was_abandoned"] = self._abandoned.is_set()
         return state
 
@@ -167,6 +170,14 @@ class RetryPolicy:
             wakers = list(self._wakers)
         for wake in wakers:
             wake.set()
+
+    @property
+    def retrying(self) -> bool:
+        """Whether an operation of this policy (any thread) has failed a try and has not ended yet:
+        it is backing off or trying again now. A save whose storage merely failed earlier (an
+        outage's last, cancelled operation) is not retrying."""
+        with self._wakers_lock:
+            return self._retrying > 0
 
     @property
     def abandoned(self) -> bool:
@@ -203,6 +214,7 @@ class RetryPolicy:
         if getattr(self._local, "depth", 0):
             return self._once(op, classify)
         self._local.depth = 1
+        counted = False  # this operation is in self._retrying
         try:
             start, tries = time.monotonic(), 0
             while True:
@@ -216,9 +228,16 @@ class RetryPolicy:
                     err = exc
                     if self.failing_since is None:
                         self.failing_since = time.monotonic()
+                    if not counted:
+                        with self._wakers_lock:
+                            self._retrying += 1
+                        counted = True
                 self._wait(url, err, tries, start)
         finally:
             self._local.depth = 0
+            if counted:
+                with self._wakers_lock:
+                    self._retrying -= 1
 
     @staticmethod
     def _once(op: Callable[[], T], classify: Callable[[Exception], StorageError | None]) -> T:
