@@ -1,5 +1,6 @@
 """Shared fixtures: keep every test process to one compute thread (2-core CI machines)."""
 
+import gc
 import os
 import shutil
 import sys
@@ -7,6 +8,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+
+# A forked rank (tests/multirank.py, the fault-space harness) shares the test process's heap copy on
+# write, until its first garbage collection walks every object and so copies every page it holds:
+# ~0.16 s of CPU per fork of a process that imported torch and transformers (14,000 page faults),
+# hundreds of forks per suite. Objects that exist at the fork are frozen out of the collector's
+# reach (gc.freeze, as CPython's docs advise for pre-fork servers); the parent thaws them at once.
+os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
 
 import pytest  # noqa: E402
 
