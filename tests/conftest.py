@@ -116,8 +116,8 @@ def pytest_collection_modifyitems(session, config, items):
                 item.add_marker(pytest.mark.xdist_group(group))
         keys = start_order(items)
         items.sort(key=lambda item: keys[item.nodeid])  # stable: in file order within each
-    if any(item.name == HYPERPOD_TEST for item in items):
-        start_hyperpod_resolution()
+    if not config.option.collectonly and any(item.name == HYPERPOD_TEST for item in items):
+        start_hyperpod_resolution()  # not for a collection alone (tests/compile_once.py): nothing runs
 
 
 def pytest_collection_finish(session):
