@@ -214,9 +214,8 @@ def test_partial_directories_are_never_chosen(tmp_path):
     (root / "latest").write_text("step_000004\n")
 
     model2, opt2 = tiny(seed=5)
-    ck = Checkpointer(tmp_path, CkptSection(), single_ctx())
-    with Records() as rec:
-        state = ck.restore(model2, opt2, None)
+    with Records() as rec:  # closed after: its lease must not renew into later tests (see restore_once)
+        state = restore_once(tmp_path, CkptSection(), model2, opt2)
     assert state.step == 2 and same_state(step2, weights(model2))
     assert any("step_000004" in m and "unfinished" in m for m in rec.messages)
     assert not tmp_file.exists() and not partial.exists(), "a killed save's files are cleaned up"
