@@ -75,7 +75,8 @@ demo: install-demo
 	$(PYCACHE) $(VENV)/bin/podtrain sample runs/demo --prompt "$$(printf '\ndef ')" --max-new-tokens 300
 
 $(BYTECODE_STAMP): $(STAMP)
-	OMP_NUM_THREADS=1 $(PYCACHE) $(PY) tests/compile_once.py > /dev/null
+	@OMP_NUM_THREADS=1 $(PYCACHE) $(PY) tests/compile_once.py > $(VENV)/compile_once.log 2>&1 \
+	  || { cat $(VENV)/compile_once.log; exit 1; }
 	@touch $@
 
 test: install $(BYTECODE_STAMP)

@@ -14,7 +14,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 # ~0.16 s of CPU per fork of a process that imported torch and transformers (14,000 page faults),
 # hundreds of forks per suite. Objects that exist at the fork are frozen out of the collector's
 # reach (gc.freeze, as CPython's docs advise for pre-fork servers); the parent thaws them at once.
-os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
+# A process that froze objects already (an in-process training's gc schedule) is left as it is:
+# thawing would release its freeze too.
+class _FreezeAroundFork:
+    def __init__(self) -> None:
+        self.froze: list[bool] = []  # per fork in flight, whether this hook froze (forks may overlap in threads)
+
+    def before(self) -> None:
+        self.froze.append(gc.get_freeze_count() == 0)
+        if self.froze[-1]:
+            gc.freeze()
+
+    def after_in_parent(self) -> None:
+        if self.froze.pop():
+            gc.unfreeze()
+
+    def after_in_child(self) -> None:
+        self.froze.clear()
+
+
+_around_fork = _FreezeAroundFork()
+os.register_at_fork(before=_around_fork.before, after_in_parent=_around_fork.after_in_parent,
+                    after_in_child=_around_fork.after_in_child)
 
 import pytest  # noqa: E402
 

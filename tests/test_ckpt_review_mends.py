@@ -219,28 +219,30 @@ def test_after_an_outage_a_healthy_save_asked_about_at_once_is_not_cancelled(tmp
     after the outage and writing, was cancelled at step 15 as "still retrying with no progress",
     so the first commit after the outage was step 15. Two misreadings, each enough: "retrying" was
     the store's ``failing_since``, which the outage's last (cancelled) operation had left set; and
-    a save first asked about (at once: an agreed outage makes the step loop wait 0 s) had its
-    progress counted over no time at all. Now "retrying" is an operation failing now, and progress
-    counts from the save's start."""
-    ck = Checkpointer(tmp_path / "run", CkptSection(save_wait_s=0.6), single_ctx())
-    try:
-        policy = ck.store.retry
+    a save first asked about at once (an agreed outage makes the step loop wait 0 s) had its
+    progress counted over no time at all. Now "retrying" is an operation failing now, and a first
+    ask without a pause counts progress within ``ckpt.save_wait_s``. A save that is retrying and
+    stood still is still cancelled: asked at once, or over the pause of a first ask (an outage
+    beginning mid-save, not yet agreed)."""
+    from podtrain.ckpt.writer import wrote_one
 
+    ck = Checkpointer(tmp_path / "run", CkptSection(save_wait_s=0.6), single_ctx())
+    policy = ck.store.retry
+    release, tries = threading.Event(), {"n": 0}
+    retrier = None
+    try:
         with pytest.raises(Transient, match="cancelled after 1 tries"):
             _cancelled_after_a_failed_try(policy)  # the outage's last operation; nothing ran since
         assert policy.failing_since is not None and not policy.retrying
         ck._failing_agreed = True  # the last round saw the outage: due saves are asked about at once
         job = SaveJob(step=12, rng={})
         ck._pending, ck._last_step = job, 12
-        job.files_written = 3  # the healthy save: the step cleared, a sidecar, a small file written
+        for _ in range(3):  # the healthy save: the step cleared, a sidecar, a small file written
+            wrote_one(job)
         assert ck._settle(must=False, step=15) is False  # still being written: this due save skipped
         assert not job.cancel.cancelled, job.cancel.reason
-        # With an operation retrying now, the progress since its start still keeps it (asked at once)...
-        job2 = SaveJob(step=15, rng={}, files_written=2)
-        ck._pending = job2
-        release, tries = threading.Event(), {"n": 0}
 
-        def flaky():
+        def flaky():  # an operation failing now: refused once, its retry in flight
             tries["n"] += 1
             if tries["n"] == 1:
                 raise Transient("test", "503 SlowDown")
@@ -252,14 +254,32 @@ def test_after_an_outage_a_healthy_save_asked_about_at_once_is_not_cancelled(tmp
         while not (policy.retrying and tries["n"] >= 2):
             assert time.monotonic() < end
             time.sleep(0.01)
-        assert ck._settle(must=False, step=18) is False and not job2.cancel.cancelled, job2.cancel.reason
-        # ... and, retrying with nothing done since it was last asked about, it gives way.
-        assert ck._settle(must=False, step=21) is False
-        assert job2.cancel.cancelled, "a retrying save without progress must give way to the newest state"
+
+        def due(job, step, agreed):
+            ck._pending, ck._failing_agreed = job, agreed
+            assert ck._settle(must=False, step=step) is False
+            return job.cancel.cancelled
+
+        # asked at once: progress just now keeps it, then nothing since gives way
+        fresh = SaveJob(step=15, rng={})
+        wrote_one(fresh)
+        assert not due(fresh, 18, agreed=True), fresh.cancel.reason
+        assert due(fresh, 21, agreed=True), "a retrying save without progress must give way"
+        # asked at once, its last progress older than save_wait_s: gives way at once
+        stale = SaveJob(step=21, rng={}, files_written=2, wrote_at=time.monotonic() - 5.0)
+        assert due(stale, 24, agreed=True)
+        # an outage beginning mid-save (not agreed yet): progress before the first ask does not
+        # count, none over its pause (save_wait_s) does: gives way at its first ask
+        midway = SaveJob(step=24, rng={})
+        wrote_one(midway)
+        assert due(midway, 27, agreed=False)
         release.set()
         retrier.join(5)
         assert not policy.retrying  # the operation ended: nothing retries any more
     finally:
+        release.set()
+        if retrier is not None:
+            retrier.join(5)
         ck._pending = None
         ck.close()
 

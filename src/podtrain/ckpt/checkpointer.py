@@ -41,7 +41,7 @@ from podtrain.ckpt.staging import CopyFence, SaveStream
 from podtrain.ckpt.state import capture_rng, to_plain
 from podtrain.ckpt.statedict import SaveCache, named_state
 from podtrain.ckpt.store import open_store
-from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress
+from podtrain.ckpt.writer import CheckpointWriter, SaveAbandoned, SaveFailed, SaveJob, progress, progressed_at
 from podtrain.config_sections import CkptSection
 from podtrain.distributed.group import DistContext
 from podtrain.errors import UserError
@@ -273,8 +273,9 @@ class Checkpointer:
         ``deadline``). Its failure is raised or, for a transient storage fault, logged; an outage
         longer than ``ckpt.max_outage_s`` stops the run (``StorageOutage``: exit 203, retryable). A
         save retrying now (``RetryPolicy.retrying``) with no progress on any rank since it was last
-        asked about, or since it began (``writer.progress``: a slow storage that is working
-        finishes its save) is cancelled, then waited for ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
+        asked about (``writer.progress``: a slow storage that is working finishes its save; asked
+        for the first time without a pause, within the last ``ckpt.save_wait_s``) is cancelled,
+        then waited for ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
         so every rank decides the same (only rank 0, which commits, may see the storage fail; the
         deadline's expiry is agreed too, since the signal reached each rank at its own moment)."""
         job = self._pending_local if local else self._pending
@@ -288,6 +289,9 @@ class Checkpointer:
             return self._outage_since if self._outage_since is not None else self.store.retry.failing_since
 
         cancelled, after_cancel = False, 0.0
+        first_ask = job.progress_seen < 0
+        if first_ask:  # first asked about now: its progress counts from here
+            job.progress_seen = progress(job)
         while True:  # every rank runs the same iterations: each ends in the same all_reduce
             # A known outage costs the step loop nothing; a merely slow save gets save_wait_s; the
             # last step's save (must) waits in 1 s rounds until done or past the outage bound; a
@@ -309,8 +313,11 @@ class Checkpointer:
             outage_here = time.monotonic() - since if since is not None and (not here or job.error) else 0.0
             retrying_here = not here and store.retry.retrying
             now = progress(job)
-            moved_here = not here and now > job.progress_seen
-            job.progress_seen = now
+            # A first ask without a pause (an agreed outage asks at once) has no window to see
+            # progress in: there the save counts as moving if it progressed within save_wait_s.
+            recent = first_ask and pause == 0.0 and time.monotonic() - progressed_at(job) < self.cfg.save_wait_s
+            moved_here = not here and (now > job.progress_seen or recent)
+            job.progress_seen, first_ask = now, False
             late_here = deadline is not None and deadline.expired
             not_done, outage, retrying, late, moved = self.ctx.all_reduce_max(
                 [0.0 if here else 1.0, outage_here, float(retrying_here), float(late_here), float(moved_here)])

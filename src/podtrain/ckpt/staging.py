@@ -180,6 +180,8 @@ class SaveStream:
         self.taken_bytes = 0
         """Bytes the writer took beyond any earlier read's furthest point: the storage's progress
         on this stream (a read that starts over after a failure adds only once past it)."""
+        self.taken_at = 0.0
+        """When (monotonic) ``taken_bytes`` last grew (0: never)."""
         self._furthest: dict[str, int] = dict.fromkeys(files, 0)
         self._cond = threading.Condition()
         self._failure: str | None = None
@@ -393,6 +395,7 @@ class SaveStream:
             position += fill
             if position > self._furthest[file]:  # bytes no earlier read reached: progress
                 self.taken_bytes += position - self._furthest[file]
+                self.taken_at = time.monotonic()
                 self._furthest[file] = position
             try:
                 if event is not None:

@@ -136,10 +136,10 @@ class SaveJob:
     copy on) go on (``Replicator.pause``)."""
     files_written: int = 0
     """Storage operations of this save that completed (a step cleared, a sidecar, a small file...)."""
-    progress_seen: int = 0
-    """``progress`` when the step loop last asked about this save (``Checkpointer._settle``); 0, its
-    start, until then: a save first asked about is judged by all it did since it began, never by a
-    window of no time (a step loop that asks at once, in an outage, would see no progress)."""
+    wrote_at: float = field(default_factory=time.monotonic)
+    """When (monotonic) the last of them completed (the save's submission until one does)."""
+    progress_seen: int = -1
+    """``progress`` when the step loop last asked about this save (``Checkpointer._settle``; -1: never)."""
     save_id: str = ""
     """This save's identity (``new_save_id``, made by rank 0 in the writer thread and broadcast at
     the save's opening): in the manifest, every sidecar, every local marker and so every replica."""
@@ -151,6 +151,18 @@ def progress(job: SaveJob) -> int:
     that is retrying only when this stood still on every rank (a slow storage that is working
     finishes its save)."""
     return job.files_written + (job.stream.taken_bytes if job.stream is not None else 0)
+
+
+def wrote_one(job: SaveJob) -> None:
+    """Count one completed storage operation of ``job`` (its progress, and when)."""
+    job.files_written += 1
+    job.wrote_at = time.monotonic()
+
+
+def progressed_at(job: SaveJob) -> float:
+    """When (monotonic) ``job`` last made progress: an operation completed or piece bytes taken."""
+    taken = job.stream.taken_at if job.stream is not None else 0.0
+    return max(job.wrote_at, taken)
 
 
 def new_save_id() -> str:
@@ -305,7 +317,7 @@ class CheckpointWriter:
             # write
             out: dict[str, Any] = {}
             if error is None:
-                job.files_written += 1  # the step is cleared: the storage answered
+                wrote_one(job)  # the step is cleared: the storage answered
                 error = self._outcome("write", self._write_own, job, name, out)
             if error is None and self.local:
                 error = self._outcome("commit", local_tier.write_marker, self.store, name, self.ctx.rank,
@@ -411,14 +423,14 @@ class CheckpointWriter:
                                                         f"{exc}") from None
             finally:
                 stream.done_with(rel)  # its slabs back to the pool; a step loop holding them goes on
-            job.files_written += 1
+            wrote_one(job)
             offset = head
             for (tensor, start, count), spec, piece_crcs in zip(job.pieces, job.stream.specs[rel], crcs):
                 pieces.append(Piece(tensor, start, count, rel, offset, tuple(piece_crcs)).to_json())
                 offset += spec.nbytes
         meta = sidecar.encode(rel, nbytes, pieces, job.rng, job.save_id)
         self.store.write_bytes(f"{name}/{sidecar.sidecar(self.ctx.rank)}", meta)
-        job.files_written += 1
+        wrote_one(job)
         out["record"] = (rel, {"bytes": nbytes}) if rel else None
         out["sizes"] = (nbytes if rel else None, len(meta))
 
@@ -436,7 +448,7 @@ class CheckpointWriter:
         files: dict[str, dict] = {}
         for rel, data in blobs.items():
             self.store.write_bytes(f"{name}/{rel}", data)
-            job.files_written += 1
+            wrote_one(job)
             files[rel] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         piece_files = [b for b, _ in sizes if b is not None]
         ranks = {"sidecars": len(sizes), "sidecar_bytes": sum(m for _, m in sizes),

@@ -231,7 +231,7 @@ class RetryPolicy:
                     if not counted:
                         with self._wakers_lock:
                             self._retrying += 1
-                        counted = True
+                            counted = True
                 self._wait(url, err, tries, start)
         finally:
             self._local.depth = 0
