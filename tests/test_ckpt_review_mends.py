@@ -266,7 +266,8 @@ def test_after_an_outage_a_healthy_save_asked_about_at_once_is_not_cancelled(tmp
         assert not due(fresh, 18, agreed=True), fresh.cancel.reason
         assert due(fresh, 21, agreed=True), "a retrying save without progress must give way"
         # asked at once, its last progress older than save_wait_s: gives way at once
-        stale = SaveJob(step=21, rng={}, files_written=2, wrote_at=time.monotonic() - 5.0)
+        begun = time.monotonic() - 5.0  # begun and last written 5 s ago
+        stale = SaveJob(step=21, rng={}, files_written=2, submitted=begun, wrote_at=begun)
         assert due(stale, 24, agreed=True)
         # an outage beginning mid-save (not agreed yet): progress before the first ask does not
         # count, none over its pause (save_wait_s) does: gives way at its first ask

@@ -61,7 +61,11 @@ def test_the_command_and_python_m_end_through_console_main_with_mains_exit_code(
 
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "podtrain"]
     assert script.value == "podtrain.cli:console_main"
-    done = subprocess.run([sys.executable, "-m", "podtrain.cli", "train", "/nonexistent/run.yaml"],
-                          capture_output=True, text=True, timeout=120)
+    # What the shutdown sees (an atexit handler runs before its last collection): the objects frozen.
+    probe = ("import atexit, gc, sys; atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0)); "
+             "sys.argv = ['podtrain', 'train', '/nonexistent/run.yaml']; "
+             "from podtrain.cli import console_main; console_main()")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr == "podtrain: error: config file /nonexistent/run.yaml does not exist\n"
+    assert done.stdout == "frozen at exit: True\n"

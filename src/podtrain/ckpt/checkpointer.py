@@ -275,9 +275,10 @@ class Checkpointer:
         save retrying now (``RetryPolicy.retrying``) with no progress on any rank since it was last
         asked about (``writer.progress``: a slow storage that is working finishes its save; asked
         for the first time without a pause, within the last ``ckpt.save_wait_s``) is cancelled,
-        then waited for ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at save steps only,
-        so every rank decides the same (only rank 0, which commits, may see the storage fail; the
-        deadline's expiry is agreed too, since the signal reached each rank at its own moment)."""
+        then waited for ``ckpt.save_wait_s`` more. One MAX all_reduce of five numbers per round, at
+        save steps only, so every rank decides the same (only rank 0, which commits, may see the
+        storage fail; the deadline's expiry is agreed too, since the signal reached each rank at its
+        own moment)."""
         job = self._pending_local if local else self._pending
         if job is None:
             return True

@@ -136,8 +136,8 @@ class SaveJob:
     copy on) go on (``Replicator.pause``)."""
     files_written: int = 0
     """Storage operations of this save that completed (a step cleared, a sidecar, a small file...)."""
-    wrote_at: float = field(default_factory=time.monotonic)
-    """When (monotonic) the last of them completed (the save's submission until one does)."""
+    wrote_at: float = 0.0
+    """When (monotonic) the last of them completed (0: none yet)."""
     progress_seen: int = -1
     """``progress`` when the step loop last asked about this save (``Checkpointer._settle``; -1: never)."""
     save_id: str = ""
@@ -160,9 +160,10 @@ def wrote_one(job: SaveJob) -> None:
 
 
 def progressed_at(job: SaveJob) -> float:
-    """When (monotonic) ``job`` last made progress: an operation completed or piece bytes taken."""
+    """When (monotonic) ``job`` last made progress: an operation completed or piece bytes taken
+    (its creation until either)."""
     taken = job.stream.taken_at if job.stream is not None else 0.0
-    return max(job.wrote_at, taken)
+    return max(job.submitted, job.wrote_at, taken)
 
 
 def new_save_id() -> str:
